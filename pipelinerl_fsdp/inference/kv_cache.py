@@ -1,0 +1,81 @@
+"""A slot-based KV cache for the pure-PyTorch decoder: sequences live in slots, join by prefill, leave by `free`.
+
+Prefill runs several new sequences packed in one row (attention confined to each) and stores their keys and
+values into their slots; a decode step appends one token to each active slot and attends over the slot's cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipelinerl_fsdp.models.args import ModelArgs
+
+
+class KVCache:
+    """Keys/values [layers, slots, kv_heads, max_len, head_dim] and the filled length of each slot."""
+
+    def __init__(self, args: ModelArgs, num_slots: int, max_len: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        shape = (args.num_hidden_layers, num_slots, args.num_key_value_heads, max_len, args.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = torch.zeros(num_slots, dtype=torch.long, device=device)
+        self.max_len = max_len
+        self.decoding = False
+        self._slots: torch.Tensor | None = None
+        self._prefill_lengths: list[int] = []
+
+    # ---- prefill -----------------------------------------------------------------------------------------
+    def begin_prefill(self, slots: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepare to prefill `slots` (empty) with packed sequences of `lengths`; returns (slots, position_ids)."""
+        if max(lengths) > self.max_len:
+            raise ValueError(f"sequence of {max(lengths)} tokens does not fit the KV cache (max_len {self.max_len})")
+        self.decoding = False
+        self._slots = torch.tensor(slots, dtype=torch.long, device=self.lengths.device)
+        self._prefill_lengths = list(lengths)
+        pos = torch.cat([torch.arange(n, device=self.lengths.device) for n in lengths])[None]
+        return self._slots, pos
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [1, kv_heads, total_len, head_dim] of the packed prefill row."""
+        assert self._slots is not None
+        start = 0
+        for slot, n in zip(self._slots.tolist(), self._prefill_lengths):
+            self.k[layer, slot, :, :n] = k[0, :, start:start + n]
+            self.v[layer, slot, :, :n] = v[0, :, start:start + n]
+            start += n
+
+    def end_prefill(self) -> None:
+        assert self._slots is not None
+        self.lengths[self._slots] = torch.tensor(self._prefill_lengths, device=self.lengths.device)
+        self._slots = None
+
+    # ---- decode ------------------------------------------------------------------------------------------
+    def begin_decode(self, slots: torch.Tensor) -> torch.Tensor:
+        """Prepare one decode step for `slots`; returns position_ids [n, 1] of the new tokens."""
+        if int(self.lengths[slots].max()) >= self.max_len:
+            raise ValueError(f"KV cache full: a sequence reached max_len {self.max_len}")
+        self.decoding = True
+        self._slots = slots
+        return self.lengths[slots][:, None]
+
+    def attend_keys(self, layer: int, k: torch.Tensor, v: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append k, v [n, kv_heads, 1, head_dim] and return all keys/values of the slots plus their mask."""
+        slots = self._slots
+        assert slots is not None
+        pos = self.lengths[slots]
+        self.k[layer, slots, :, pos] = k[:, :, 0]
+        self.v[layer, slots, :, pos] = v[:, :, 0]
+        width = int(pos.max()) + 1
+        mask = torch.arange(width, device=pos.device)[None, :] <= pos[:, None]
+        return self.k[layer, slots, :, :width], self.v[layer, slots, :, :width], mask[:, None, None, :]
+
+    def end_decode(self) -> None:
+        assert self._slots is not None
+        self.lengths[self._slots] += 1
+        self.decoding = False
+        self._slots = None
+
+    def free(self, slot: int) -> None:
+        self.lengths[slot] = 0

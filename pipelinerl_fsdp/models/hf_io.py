@@ -1,0 +1,110 @@
+"""HF checkpoint folders: config.json + one or many safetensors shards (+ model.safetensors.index.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pipelinerl_fsdp.models.args import ModelArgs
+from pipelinerl_fsdp.models.decoder import Transformer
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def read_model_args(folder: str | Path) -> ModelArgs:
+    """ModelArgs from `folder/config.json`."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json; is {folder} an HF model folder?")
+    with open(path) as f:
+        return ModelArgs.from_hf_config(json.load(f))
+
+
+def _shard_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_NAME
+    if index.is_file():
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    single = folder / SINGLE_NAME
+    if single.is_file():
+        return [single]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors files")
+    return files
+
+
+def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard of an HF folder, on CPU, in the stored dtype."""
+    out: dict[str, torch.Tensor] = {}
+    for path in _shard_files(Path(folder)):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                out[key] = f.get_tensor(key)
+    return out
+
+
+def load_hf_model(folder: str | Path, device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.float32) -> Transformer:
+    """Our Transformer with the weights of an HF folder (strict: missing or unexpected names are an error)."""
+    args = read_model_args(folder)
+    with torch.device("meta"):
+        model = Transformer(args)
+    sd = read_state_dict(folder)
+    if args.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    expected = {k for k in model.state_dict() if not (args.tie_word_embeddings and k == "lm_head.weight")}
+    missing, unexpected = expected - sd.keys(), sd.keys() - expected
+    # Some exporters store rotary inv_freq buffers; they are derived from the config, never weights.
+    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
+    if missing or unexpected:
+        raise ValueError(f"{folder}: checkpoint does not match config.json: missing {sorted(missing)[:8]}, "
+                         f"unexpected {sorted(unexpected)[:8]}")
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items() if k in expected}, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device)
+
+
+def save_hf_folder(folder: str | Path, args: ModelArgs, state_dict: dict[str, torch.Tensor],
+                   max_shard_bytes: int = 2 * 1024**3, dtype: torch.dtype | None = None) -> None:
+    """Write config.json and safetensors shards (with an index when more than one) that transformers and vLLM load.
+
+    `state_dict` holds full (unsharded) tensors with HF names; the tied lm_head is not stored.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state_dict.items()
+               if not (args.tie_word_embeddings and k == "lm_head.weight")}
+    stored_dtype = next(iter(tensors.values())).dtype
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key in sorted(tensors):
+        nbytes = tensors[key].numel() * tensors[key].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensors[key]
+        size += nbytes
+    for stale in list(folder.glob("*.safetensors")) + [folder / INDEX_NAME]:
+        stale.unlink(missing_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / SINGLE_NAME), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(folder / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(folder / INDEX_NAME, "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(folder / "config.json", "w") as f:
+        json.dump(args.to_hf_config(_DTYPE_NAMES.get(stored_dtype, "float32")), f, indent=2)

@@ -1,0 +1,73 @@
+"""One optimizer step over packed micro-batches, with every trainer rank in lockstep.
+
+FSDP2 needs every rank to run the same number of forward/backward passes. Ranks agree on the micro-batch count
+with an all_reduce; a rank that has run out of data runs a one-token dummy pass whose loss is multiplied by zero,
+so it still joins every collective and contributes nothing to the gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from pipelinerl_fsdp.models.decoder import Transformer
+
+# (logp [1, T], entropy [1, T], micro-batch) -> (loss to backpropagate, summed statistics for logging)
+LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+def _dummy_micro_batch(device: torch.device) -> dict[str, torch.Tensor]:
+    one = torch.zeros(1, 1, dtype=torch.long, device=device)
+    return {"input_ids": one, "position_ids": one, "targets": one}
+
+
+def agree_max(value: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """The maximum of `value` over the ranks of `group`."""
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def sum_over_ranks(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def forward_backward(model: Transformer, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn,
+                     temperature: float, group: dist.ProcessGroup | None, device: torch.device,
+                     chunk_size: int = 1024) -> dict[str, float]:
+    """Accumulate gradients over this rank's micro-batches (lockstep with the other ranks).
+
+    Returns this rank's summed statistics (callers reduce them across ranks).
+    """
+    n = agree_max(len(micro_batches), group, device)
+    stats: dict[str, float] = {}
+    for i in range(n):
+        real = i < len(micro_batches)
+        mb = micro_batches[i] if real else _dummy_micro_batch(device)
+        model.set_requires_gradient_sync(i == n - 1)  # reduce-scatter once per optimizer step
+        logp, ent = model(mb["input_ids"], mb["position_ids"], targets=mb["targets"], temperature=temperature,
+                          logprob_chunk_size=chunk_size)
+        if real:
+            loss, s = loss_fn(logp, ent, mb)
+            for k, v in s.items():
+                stats[k] = stats.get(k, 0.0) + v
+        else:
+            loss = logp.sum() * 0.0
+        loss.backward()
+    return stats
+
+
+def clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer,
+                  scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float) -> float:
+    """Clip the global gradient norm, step optimizer and schedule; returns the pre-clip norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)

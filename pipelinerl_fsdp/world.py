@@ -1,0 +1,82 @@
+"""The torchrun world: device, backend, threads and process groups, created once at start-up in a fixed order."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from pipelinerl_fsdp.config import Config, ConfigError
+
+
+@dataclass
+class World:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    trainer_ranks: list[int]
+    trainer_group: dist.ProcessGroup | None
+    trainer_mesh: DeviceMesh | None
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.rank in self.trainer_ranks
+
+    @property
+    def trainer_rank(self) -> int:
+        """Index of this rank among the trainer ranks (data-parallel rank)."""
+        return self.trainer_ranks.index(self.rank)
+
+    @property
+    def is_main(self) -> bool:
+        """The one rank that writes metrics and files."""
+        return self.rank == self.trainer_ranks[0]
+
+
+def _pick_device(cfg: Config, local_rank: int) -> torch.device:
+    want = cfg.job.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"job.device = 'cuda' but CUDA is not available on this machine ({cfg.source})")
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_world(cfg: Config) -> World:
+    """Join the torchrun job (or run as a single process without torchrun) and build the trainer group."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = _pick_device(cfg, local_rank)
+    threads = cfg.job.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size)
+    torch.set_num_threads(threads)
+    backend = cfg.world.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError(f"world.backend = 'nccl' needs CUDA devices; this rank runs on {device} ({cfg.source})")
+    if "MASTER_ADDR" not in os.environ:  # plain `python run_train.py`: a world of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
+        os.environ.update(RANK="0", WORLD_SIZE="1")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=cfg.world.timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    trainer_ranks = list(range(world_size))
+    group = dist.new_group(trainer_ranks)  # every rank creates every group, in the same order
+    mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
+    return World(rank, world_size, local_rank, local_world_size, device, backend, trainer_ranks, group, mesh)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

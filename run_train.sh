@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up the environment (first run only) and launch one torchrun job.
+#   bash run_train.sh [--config NAME_OR_PATH] [--section.key=value ...]
+# Environment: NPROC_PER_NODE (default 1), NNODES (1), NODE_RANK (0), RDZV_ENDPOINT (host:port, multi-node),
+# RDZV_ID, EXTRAS (pip extras for setup, default "test"), SKIP_SETUP=1 to use the current Python as is.
+set -euo pipefail
+cd "$(dirname "$0")"
+if [ "${SKIP_SETUP:-0}" != 1 ]; then
+  bash scripts/setup_env.sh "${EXTRAS:-test}"
+  PY=.venv/bin/python
+else
+  PY="${PYTHON:-python3}"
+fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+NNODES="${NNODES:-1}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+  cores=$(nproc)
+  export OMP_NUM_THREADS=$(( cores / NPROC_PER_NODE > 0 ? cores / NPROC_PER_NODE : 1 ))
+fi
+args=(--config arithmetic)
+for a in "$@"; do case "$a" in --config|--config=*) args=() ;; esac; done
+if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
+  exec "$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$NPROC_PER_NODE" \
+    run_train.py "${args[@]}" "$@"
+fi
+exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
+  --node-rank "${NODE_RANK:-0}" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" \
+  --rdzv-id "${RDZV_ID:-pipelinerl}" run_train.py "${args[@]}" "$@"

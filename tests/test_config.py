@@ -1,0 +1,81 @@
+"""Config loading: file + overrides, and every error case names the key and its source."""
+
+from pathlib import Path
+
+import pytest
+
+from pipelinerl_fsdp.config import Config, ConfigError, load_config, save_resolved, validate_world
+
+
+def write(tmp_path: Path, text: str) -> str:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_defaults_and_named_config():
+    cfg = load_config(["--config", "arithmetic"])
+    assert cfg.task.name == "addition"
+    assert cfg.source.endswith("arithmetic.toml")
+
+
+def test_overrides_win_over_file(tmp_path):
+    path = write(tmp_path, "[warmstart]\nsteps = 10\nlr = 0.1\n[task]\nname = 'chain_sum'\nmax_new_tokens = 99\n")
+    cfg = load_config(["--config", path, "--warmstart.steps=20", "--warmstart.lr", "0.5",
+                       "--job.output_dir=/tmp/x y", "--trainer.betas=[0.8, 0.9]"])
+    assert cfg.warmstart.steps == 20 and cfg.warmstart.lr == 0.5
+    assert cfg.task.name == "chain_sum"
+    assert cfg.job.output_dir == "/tmp/x y"
+    assert cfg.trainer.betas == [0.8, 0.9]
+
+
+def test_int_accepted_for_float(tmp_path):
+    cfg = load_config(["--config", write(tmp_path, "[warmstart]\nlr = 1\n")])
+    assert cfg.warmstart.lr == 1.0 and isinstance(cfg.warmstart.lr, float)
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ("[bogus]\nx = 1\n", r"unknown section \[bogus\] in .*c\.toml"),
+    ("[task]\nnmae = 'addition'\n", r"unknown key task\.nmae in .*c\.toml"),
+    ("[warmstart]\nsteps = 'many'\n", r"warmstart\.steps: expected int, got 'many' \(.*c\.toml\)"),
+    ("[task]\nname = 'poetry'\n", r"task\.name: expected one of 'addition', 'chain_sum'"),
+    ("[trainer]\nlr = -1.0\n", r"trainer\.lr = -1\.0 must be > 0 \(.*c\.toml\)"),
+    ("[task]\nmin_terms = 5\nmax_terms = 3\n", r"task\.max_terms = 3 must be >= task\.min_terms = 5"),
+    ("[model]\nflavour = 'giant'\n", r"model\.flavour = 'giant' is not one of"),
+    ("[job]\ndebug = true\n", r"unknown key job\.debug"),
+    ("[task\nname = 1", r"c\.toml: invalid TOML: .*line 1"),
+    ("[trainer]\nbetas = [0.9]\n", r"trainer\.betas = \[0\.9\] must be two numbers"),
+    ("[metrics]\ntensorboard = 1\n", r"metrics\.tensorboard: expected bool"),
+])
+def test_file_errors_name_the_key(tmp_path, text, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(["--config", write(tmp_path, text)])
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--warmstart.steps=abc"], r"warmstart\.steps: expected int, got 'abc' \(command line\)"),
+    (["--nosuch.key=1"], r"unknown section \[nosuch\] in command line"),
+    (["--task.bogus=1"], r"unknown key task\.bogus in command line"),
+    (["--config", "does_not_exist"], r"--config does_not_exist: no such file"),
+    (["steps=3"], r"expected --section\.key=value"),
+    (["--warmstart.steps"], r"has no value"),
+])
+def test_command_line_errors_name_the_key(args, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(args)
+
+
+def test_world_checks():
+    cfg = load_config(["--warmstart.batch_size=6"])
+    validate_world(cfg, 3)
+    with pytest.raises(ConfigError, match=r"warmstart\.batch_size = 6 must be a multiple .* \(4\)"):
+        validate_world(cfg, 4)
+
+
+def test_resolved_config_roundtrips(tmp_path):
+    cfg = load_config(["--config", "arithmetic", "--task.name=chain_sum", "--job.output_dir=a \"quoted\" dir"])
+    path = save_resolved(cfg, tmp_path)
+    again = load_config(["--config", str(path)])
+    for sec in ("job", "model", "tokenizer", "task", "trainer", "warmstart", "world", "metrics"):
+        assert getattr(again, sec) == getattr(cfg, sec), sec
+    assert isinstance(again, Config)
