@@ -87,8 +87,8 @@ class TrainerConfig:
 class WarmstartConfig:
     # the HF folder the warm start writes (and reuses when it already exists)
     path: str = "outputs/warmstart/addition-debug"
-    steps: int = 1500
-    lr: float = 3e-3
+    steps: int = 1200
+    lr: float = 1e-3
     warmup_steps: int = 50
     # sequences per optimizer step (all ranks together)
     batch_size: int = 64
@@ -100,6 +100,8 @@ class WarmstartConfig:
 @dataclass
 class WorldConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # how many of the torchrun ranks host a generation engine (the highest ranks; trainers keep the low ones)
+    inference_ranks: int = 0
     # collective time-out: a rank stuck longer than this fails instead of hanging
     timeout_s: int = 600
 
@@ -147,6 +149,7 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("warmstart", "eval_every"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "min_accuracy"): (lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("world", "timeout_s"): (lambda v: v >= 10, ">= 10 seconds"),
+    ("world", "inference_ranks"): (lambda v: v >= 0, ">= 0"),
     ("job", "threads_per_rank"): (lambda v: v >= 0, ">= 0"),
     ("metrics", "log_every"): (lambda v: v >= 1, ">= 1"),
 }
@@ -269,9 +272,13 @@ def validate(cfg: Config) -> None:
 
 def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that need the torchrun world size."""
-    if cfg.warmstart.batch_size % world_size:
+    if cfg.world.inference_ranks >= world_size:
+        raise ConfigError(f"world.inference_ranks = {cfg.world.inference_ranks} leaves no trainer rank: the job "
+                          f"has {world_size} rank(s) in all ({cfg.source})")
+    trainers = world_size - cfg.world.inference_ranks
+    if cfg.warmstart.batch_size % trainers:
         raise ConfigError(f"warmstart.batch_size = {cfg.warmstart.batch_size} must be a multiple of the number "
-                          f"of trainer ranks ({world_size}) ({cfg.source})")
+                          f"of trainer ranks ({trainers}) ({cfg.source})")
 
 
 def load_config(argv: list[str] | None = None) -> Config:

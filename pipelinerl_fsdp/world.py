@@ -22,8 +22,20 @@ class World:
     device: torch.device
     backend: str
     trainer_ranks: list[int]
-    trainer_group: dist.ProcessGroup | None
+    inference_ranks: list[int]
+    trainer_group: dist.ProcessGroup | None  # FSDP collectives (trainer ranks only)
     trainer_mesh: DeviceMesh | None
+    # first trainer rank + every inference rank; one group per purpose, each used from one thread only
+    weight_group: dist.ProcessGroup | None
+    rollout_group: dist.ProcessGroup | None
+
+    @property
+    def is_inference(self) -> bool:
+        return self.rank in self.inference_ranks
+
+    @property
+    def inference_index(self) -> int:
+        return self.inference_ranks.index(self.rank)
 
     @property
     def is_trainer(self) -> bool:
@@ -71,10 +83,25 @@ def init_world(cfg: Config) -> World:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=cfg.world.timeout_s),
                                 device_id=device if device.type == "cuda" else None)
-    trainer_ranks = list(range(world_size))
-    group = dist.new_group(trainer_ranks)  # every rank creates every group, in the same order
-    mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
-    return World(rank, world_size, local_rank, local_world_size, device, backend, trainer_ranks, group, mesh)
+    n_inf = cfg.world.inference_ranks
+    if n_inf >= world_size:
+        raise ConfigError(f"world.inference_ranks = {n_inf} leaves no trainer rank: the job has {world_size} "
+                          f"rank(s) in all ({cfg.source})")
+    # Trainers take the low ranks: some torch state-dict helpers keep results on global rank 0 only.
+    trainer_ranks = list(range(world_size - n_inf))
+    inference_ranks = list(range(world_size - n_inf, world_size))
+    # Every rank creates every group, in the same order, even those it is not part of.
+    trainer_group = dist.new_group(trainer_ranks)
+    weight_group = rollout_group = None
+    if inference_ranks:
+        members = [trainer_ranks[0], *inference_ranks]
+        weight_group = dist.new_group(members)
+        rollout_group = dist.new_group(members, backend="gloo")  # rollouts are CPU data, even with NCCL
+    mesh = None
+    if rank in trainer_ranks:
+        mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("dp",))
+    return World(rank, world_size, local_rank, local_world_size, device, backend, trainer_ranks, inference_ranks,
+                 trainer_group, mesh, weight_group, rollout_group)
 
 
 def shutdown() -> None:

@@ -1,0 +1,129 @@
+"""The pure-PyTorch reference generation engine: continuous batching over a slot KV cache, in-flight weight loads.
+
+Requests wait until a slot is free, are prefilled (several packed in one forward), then advance one token per
+`step()` together; finished requests leave and free their slot for the next waiting one. Every sampled token
+records `self.version`, the policy version of the weights that produced it. Between two steps the caller may
+load new weights (`load`): in-progress requests keep their KV cache (computed by older weights) unless
+`recompute_kv()` re-prefills them under the new weights.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from pipelinerl_fsdp.inference.kv_cache import KVCache
+from pipelinerl_fsdp.inference.sampling import sample_next
+from pipelinerl_fsdp.models.decoder import Transformer
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False  # stopped on EOS
+    slot: int = -1
+
+
+class ReferenceEngine:
+    def __init__(self, model: Transformer, max_num_seqs: int, max_len: int, eos_ids: list[int],
+                 temperature: float, top_p: float = 1.0, seed: int = 0) -> None:
+        self.model = model.eval()
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cache = KVCache(model.args, max_num_seqs, max_len, self.device, self.dtype)
+        self.max_len = max_len
+        self.eos = set(eos_ids)
+        self.temperature, self.top_p = temperature, top_p
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.version = 0
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
+
+    def add(self, request: Request) -> None:
+        if len(request.prompt_ids) + request.max_tokens > self.max_len:
+            raise ValueError(f"request {request.request_id}: prompt ({len(request.prompt_ids)}) + max_tokens "
+                             f"({request.max_tokens}) exceeds the engine's max_len {self.max_len}")
+        self.waiting.append(request)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @torch.no_grad()
+    def _prefill(self, reqs: list[Request], upto_last: bool) -> torch.Tensor:
+        """Fill the slots of `reqs` under the current weights; returns the logits after each sequence.
+
+        upto_last=False: the prompt of a new request. True (recompute): prompt + generated tokens except the
+        last one, which the next decode step feeds as usual.
+        """
+        seqs = [r.prompt_ids + (r.tokens[:-1] if upto_last else []) for r in reqs]
+        slots, pos = self.cache.begin_prefill([r.slot for r in reqs], [len(s) for s in seqs])
+        ids = torch.tensor([t for s in seqs for t in s], device=self.device)[None]
+        logits = self.model(ids, pos, cache=self.cache)[0]
+        self.cache.end_prefill()
+        last = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
+        return logits[last]
+
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """One engine step: every running request feeds its last token and samples the next; waiting requests
+        are admitted into free slots (prefill) and sample their first token. All logits of a step come from
+        the current weights, so each new token carries `self.version`. Returns the requests that finished."""
+        batches: list[tuple[list[Request], torch.Tensor]] = []
+        if self.running:
+            reqs = [self.running[s] for s in sorted(self.running)]
+            slots = torch.tensor([r.slot for r in reqs], device=self.device)
+            pos = self.cache.begin_decode(slots)
+            ids = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
+            logits = self.model(ids, pos, cache=self.cache)[:, 0]
+            self.cache.end_decode()
+            batches.append((reqs, logits))
+        new = []
+        while self.waiting and self.free_slots:
+            r = self.waiting.popleft()
+            r.slot = self.free_slots.pop()
+            self.running[r.slot] = r
+            new.append(r)
+        if new:
+            batches.append((new, self._prefill(new, upto_last=False)))
+        if not batches:
+            return []
+        reqs = [r for b, _ in batches for r in b]
+        tok, lp = sample_next(torch.cat([l for _, l in batches]), self.temperature, self.top_p, self.generator)
+        done = []
+        for r, t, l in zip(reqs, tok.tolist(), lp.tolist()):
+            r.tokens.append(t)
+            r.logprobs.append(l)
+            r.versions.append(self.version)
+            if t in self.eos or len(r.tokens) >= r.max_tokens:
+                r.finished = t in self.eos
+                done.append(r)
+        for r in done:
+            del self.running[r.slot]
+            self.cache.free(r.slot)
+            self.free_slots.append(r.slot)
+        return done
+
+    def set_version(self, version: int) -> None:
+        """Call after loading new weights into `self.params`; later tokens carry this version."""
+        self.version = version
+
+    @torch.no_grad()
+    def recompute_kv(self) -> None:
+        """Re-prefill every running request under the current weights (the 'recompute' switch)."""
+        running = list(self.running.values())
+        for r in running:
+            self.cache.free(r.slot)
+        if running:
+            self._prefill(running, upto_last=True)

@@ -1,0 +1,165 @@
+"""Rollout queues: finished groups travel inference rank -> first trainer rank over torch.distributed send/recv.
+
+A message is a tensor header (tag 1) followed by two flat payloads (int64 tag 2, float32 tag 3), never pickled
+objects (tensors are ~10x faster for this). Each side runs the blocking send/recv in its own thread, the only
+user of the rollout group on that rank, behind a bounded `queue.Queue`:
+- the engine puts finished groups and keeps generating; `put` blocks only when the queue is full (backpressure);
+- the trainer's receiver thread receives from any source (any-source recv on the header tag) into a bounded
+  queue the trainer reads; the trainer waits only when it has no data.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+HEADER_TAG, INTS_TAG, FLOATS_TAG = 1, 2, 3
+DATA, DONE = 1, 2
+_HEADER_LEN = 4  # kind, n_samples, n_ints, n_floats
+
+
+@dataclass
+class Sample:
+    """One attempt at one prompt, with everything the trainer needs."""
+
+    group_id: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each completion token (under the sampling distribution)
+    versions: list[int]  # policy version that produced each completion token
+    reward: float
+    advantage: float = 0.0
+    finished: bool = True  # stopped on EOS (False: cut at max_tokens)
+    extras: dict[str, float] = field(default_factory=dict)  # not transported; per-process bookkeeping
+
+
+def encode_samples(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten ragged samples into one int64 and one float32 tensor."""
+    ints: list[int] = []
+    floats: list[float] = []
+    for s in samples:
+        if not (len(s.completion_ids) == len(s.logprobs) == len(s.versions)):
+            raise ValueError(f"sample of group {s.group_id}: completion, logprobs and versions differ in length")
+        ints += [s.group_id, len(s.prompt_ids), len(s.completion_ids), int(s.finished)]
+        ints += s.prompt_ids + s.completion_ids + s.versions
+        floats += [s.reward, s.advantage] + s.logprobs
+    return torch.tensor(ints, dtype=torch.long), torch.tensor(floats, dtype=torch.float32)
+
+
+def decode_samples(n: int, ints: torch.Tensor, floats: torch.Tensor) -> list[Sample]:
+    """Inverse of encode_samples."""
+    iv, fv = ints.tolist(), floats.tolist()
+    out, i, f = [], 0, 0
+    for _ in range(n):
+        gid, lp, lc, fin = iv[i:i + 4]
+        i += 4
+        prompt, comp, vers = iv[i:i + lp], iv[i + lp:i + lp + lc], iv[i + lp + lc:i + lp + 2 * lc]
+        i += lp + 2 * lc
+        reward, adv = fv[f:f + 2]
+        logprobs = fv[f + 2:f + 2 + lc]
+        f += 2 + lc
+        out.append(Sample(gid, prompt, comp, logprobs, vers, reward, adv, bool(fin)))
+    if i != len(iv) or f != len(fv):
+        raise RuntimeError("rollout message: payload longer than its samples (corrupt or mismatched message)")
+    return out
+
+
+class RolloutSender:
+    """Inference side: a thread sends queued groups to `dst`; `put` applies backpressure when full."""
+
+    def __init__(self, group: dist.ProcessGroup, dst: int, max_queued: int = 8) -> None:
+        self.group, self.dst = group, dst
+        self._q: queue.Queue[list[Sample] | None] = queue.Queue(maxsize=max_queued)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="rollout-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, samples: list[Sample], timeout: float | None = None) -> bool:
+        """Queue a group for sending; False if the queue stayed full for `timeout` seconds."""
+        self._raise_if_failed()
+        try:
+            self._q.put(samples, timeout=timeout)
+            return True
+        except queue.Full:
+            return False
+
+    def qsize(self) -> int:
+        return self._q.qsize()
+
+    def close(self) -> None:
+        """Send everything queued, then a DONE message; joins the thread."""
+        self._q.put(None)
+        self._thread.join()
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError("rollout sender thread failed") from self.error
+
+    def _run(self) -> None:
+        try:
+            while True:
+                item = self._q.get()
+                if item is None:
+                    dist.send(torch.tensor([DONE, 0, 0, 0], dtype=torch.long), self.dst, group=self.group,
+                              tag=HEADER_TAG)
+                    return
+                ints, floats = encode_samples(item)
+                header = torch.tensor([DATA, len(item), ints.numel(), floats.numel()], dtype=torch.long)
+                dist.send(header, self.dst, group=self.group, tag=HEADER_TAG)
+                dist.send(ints, self.dst, group=self.group, tag=INTS_TAG)
+                dist.send(floats, self.dst, group=self.group, tag=FLOATS_TAG)
+        except BaseException as e:  # surfaced to the engine loop on its next put/close
+            self.error = e
+
+
+class RolloutReceiver:
+    """Trainer side (first trainer rank): a thread receives groups from any of `n_senders` until all said DONE."""
+
+    def __init__(self, group: dist.ProcessGroup, n_senders: int, max_queued: int = 64) -> None:
+        self.group, self.n_senders = group, n_senders
+        self._q: queue.Queue[tuple[int, list[Sample]]] = queue.Queue(maxsize=max_queued)
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rollout-receiver", daemon=True)
+        self._thread.start()
+
+    def get(self, timeout: float) -> tuple[int, list[Sample]] | None:
+        """(sender rank, group samples), or None if nothing arrived within `timeout` seconds."""
+        if self.error is not None:
+            raise RuntimeError("rollout receiver thread failed") from self.error
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def qsize(self) -> int:
+        return self._q.qsize()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            remaining = self.n_senders
+            header = torch.zeros(_HEADER_LEN, dtype=torch.long)
+            while remaining:
+                src = dist.recv(header, None, group=self.group, tag=HEADER_TAG)
+                kind, n, n_ints, n_floats = header.tolist()
+                if kind == DONE:
+                    remaining -= 1
+                    continue
+                ints = torch.empty(n_ints, dtype=torch.long)
+                floats = torch.empty(n_floats, dtype=torch.float32)
+                dist.recv(ints, src, group=self.group, tag=INTS_TAG)
+                dist.recv(floats, src, group=self.group, tag=FLOATS_TAG)
+                self._q.put((src, decode_samples(n, ints, floats)))
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.done.set()

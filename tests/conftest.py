@@ -1,0 +1,33 @@
+"""Shared helpers: run the real entry point (or a test script) under torchrun in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_script(nproc: int, script: Path, *args: str, timeout: float = 900,
+                    threads: int = 1) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node nproc script args...` on a fresh local rendezvous; output captured."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 900, threads: int = 1) -> subprocess.CompletedProcess:
+    """The real job: `torchrun ... run_train.py args...`."""
+    return torchrun_script(nproc, ROOT / "run_train.py", *args, f"--job.threads_per_rank={threads}",
+                           timeout=timeout, threads=threads)

@@ -1,0 +1,73 @@
+"""Loss, advantages and ESS against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from pipelinerl_fsdp.rl.advantages import group_advantages, is_zero_advantage_group
+from pipelinerl_fsdp.rl.ess import ess_from_sums
+from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
+
+
+def test_group_mean_and_loo_and_std():
+    r = [1.0, 0.0, 0.0, 1.0]
+    assert group_advantages(r) == [0.5, -0.5, -0.5, 0.5]
+    # leave-one-out: 1 - (1/3), 0 - (2/3)
+    assert group_advantages(r, "loo") == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    assert group_advantages(r, std_normalize=True) == pytest.approx([1.0, -1.0, -1.0, 1.0], rel=1e-5)
+    assert group_advantages([1.0, 1.0], std_normalize=True) == [0.0, 0.0]
+    assert is_zero_advantage_group([1.0, 1.0]) and not is_zero_advantage_group(r)
+    with pytest.raises(ValueError, match="baseline"):
+        group_advantages(r, "median")
+
+
+def test_reinforce_loss_hand_computed():
+    logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    mu = torch.tensor([-1.0, -2.5, -0.5 - math.log(10.0)])  # rho = 1, e^0.5, 10 (truncated to 5)
+    adv = torch.tensor([1.0, 1.0, -2.0])
+    mask = torch.tensor([1.0, 1.0, 1.0])
+    loss, s = policy_loss(logp, mu, adv, mask, num_sequences=2, settings=LossSettings(is_clip=5.0))
+    rho_bar = [1.0, math.exp(0.5), 5.0]
+    expected = -(rho_bar[0] * 1 * -1.0 + rho_bar[1] * 1 * -2.0 + rho_bar[2] * -2 * -0.5) / 2
+    assert float(loss) == pytest.approx(expected, rel=1e-6)
+    loss.backward()  # the weight is stop-gradient: d/dlogp = -rho_bar * A / B
+    assert logp.grad.tolist() == pytest.approx([-r * a / 2 for r, a in zip(rho_bar, [1, 1, -2])], rel=1e-6)
+    assert s["sum_w"] == pytest.approx(sum(rho_bar), rel=1e-6)
+    assert s["sum_w2"] == pytest.approx(sum(x * x for x in rho_bar), rel=1e-6)
+    assert s["tokens"] == 3 and s["clipped"] == 1
+
+
+def test_mask_excludes_tokens():
+    logp = torch.tensor([-1.0, -3.0])
+    loss, s = policy_loss(logp, logp, torch.tensor([2.0, 100.0]), torch.tensor([1.0, 0.0]), 1, LossSettings())
+    assert float(loss) == pytest.approx(2.0)
+    assert s["tokens"] == 1
+
+
+def test_ppo_clip_hand_computed():
+    logp = torch.tensor([math.log(1.5), math.log(0.5)])
+    mu = torch.zeros(2)
+    adv = torch.tensor([1.0, 1.0])
+    loss, s = policy_loss(logp, mu, adv, torch.ones(2), 1, LossSettings(kind="ppo", ppo_eps=0.2))
+    # token 1: min(1.5, 1.2) = 1.2; token 2: min(0.5, 0.8) = 0.5
+    assert float(loss) == pytest.approx(-(1.2 + 0.5), rel=1e-6)
+    assert s["clipped"] == 1
+
+
+def test_kl_k3_penalty():
+    logp = torch.tensor([-1.0])
+    ref = torch.tensor([-1.5])
+    loss, s = policy_loss(logp, logp, torch.zeros(1), torch.ones(1), 1, LossSettings(kl_coef=0.1), ref)
+    k3 = math.exp(-0.5) + 0.5 - 1
+    assert s["kl"] == pytest.approx(k3, rel=1e-6)
+    assert float(loss) == pytest.approx(0.1 * k3, rel=1e-6)
+
+
+def test_ess_is_one_on_policy_and_below_one_off_policy():
+    logp = torch.randn(50)
+    _, s = policy_loss(logp, logp.clone(), torch.ones(50), torch.ones(50), 1, LossSettings())
+    assert ess_from_sums(s["sum_w"], s["sum_w2"], s["tokens"]) == pytest.approx(1.0)
+    _, s = policy_loss(logp, logp + 0.5 * torch.randn(50), torch.ones(50), torch.ones(50), 1, LossSettings())
+    assert 0 < ess_from_sums(s["sum_w"], s["sum_w2"], s["tokens"]) < 0.99
+    assert math.isnan(ess_from_sums(0, 0, 0))

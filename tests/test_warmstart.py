@@ -1,0 +1,81 @@
+"""The supervised warm start end to end under torchrun (marked slow; CI runs them)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import torchrun
+from pipelinerl_fsdp.config import load_config
+from pipelinerl_fsdp.evaluation import greedy_accuracy
+from pipelinerl_fsdp.models import load_hf_model
+from pipelinerl_fsdp.tokenizer import load_tokenizer
+from pipelinerl_fsdp.warmstart import task_from_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_default_warmstart_reaches_40_percent_and_is_reused(tmp_path):
+    folder, out = tmp_path / "ws", tmp_path / "run"
+    # The default CPU configuration, only redirected to temporary folders.
+    r = torchrun(1, "--config", "arithmetic", f"--warmstart.path={folder}", f"--job.output_dir={out}", threads=2)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    records = [json.loads(line) for line in (out / "warmstart" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["eval_accuracy"] >= 0.40, records[-1]
+    assert (out / "config.toml").is_file() and any((out / "warmstart" / "tb").iterdir())
+
+    # Independently re-measure the saved folder's accuracy (not trusting the logged number).
+    cfg = load_config(["--config", "arithmetic"])
+    acc = greedy_accuracy(load_hf_model(folder), task_from_config(cfg), load_tokenizer(folder),
+                          cfg.task.max_new_tokens)
+    assert acc >= 0.40
+    assert abs(acc - records[-1]["eval_accuracy"]) < 1e-9
+
+    # The folder loads in transformers with identical logits.
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(load_hf_model(folder).eval()(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
+
+    # A second run reuses the folder instead of training again.
+    before = (folder / "model.safetensors").stat().st_mtime_ns
+    r2 = torchrun(1, "--config", "arithmetic", f"--warmstart.path={folder}", f"--job.output_dir={out}2")
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert "reusing" in r2.stdout
+    assert (folder / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_two_fsdp_ranks_match_one_rank(tmp_path):
+    """Same problems per step (ranks take interleaved indices), loss normalised by the global token count:
+    2-rank FSDP training must give the same weights as 1 rank."""
+    common = ["--config", "arithmetic", "--warmstart.steps=8", "--warmstart.eval_every=8",
+              "--task.eval_size=16", "--metrics.log_every=4", "--trainer.micro_batch_tokens=64"]
+    for n in (1, 2):
+        r = torchrun(n, *common, f"--warmstart.path={tmp_path}/ws{n}", f"--job.output_dir={tmp_path}/out{n}")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    a = load_file(str(tmp_path / "ws1" / "model.safetensors"))
+    b = load_file(str(tmp_path / "ws2" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+    la = [json.loads(x) for x in (tmp_path / "out1" / "warmstart" / "metrics.jsonl").read_text().splitlines()]
+    lb = [json.loads(x) for x in (tmp_path / "out2" / "warmstart" / "metrics.jsonl").read_text().splitlines()]
+    assert [round(r["loss"], 4) for r in la] == [round(r["loss"], 4) for r in lb]
+    assert la[0]["loss"] > la[-1]["loss"]
+
+
+def test_bad_config_fails_fast_naming_the_key(tmp_path):
+    r = torchrun(1, "--config", "arithmetic", "--warmstart.stepz=3", timeout=120)
+    assert r.returncode != 0
+    assert "unknown key warmstart.stepz" in r.stderr
+
+
+def test_too_small_generation_budget_is_an_error(tmp_path):
+    r = torchrun(1, "--config", "arithmetic", "--task.max_new_tokens=3", f"--warmstart.path={tmp_path}/ws",
+                 f"--job.output_dir={tmp_path}/out", timeout=180)
+    assert r.returncode != 0
+    assert "task.max_new_tokens = 3 is too small" in r.stderr
