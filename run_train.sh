@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up the environment (first run only) and launch one torchrun job.
 #   bash run_train.sh [--config NAME_OR_PATH] [--section.key=value ...]
-# Environment: NPROC_PER_NODE (default 1), NNODES (1), NODE_RANK (0), RDZV_ENDPOINT (host:port, multi-node),
+# Environment: NPROC_PER_NODE (default 2: the default config has 1 inference + 1 trainer rank), NNODES (1), NODE_RANK (0), RDZV_ENDPOINT (host:port, multi-node),
 # RDZV_ID, EXTRAS (pip extras for setup, default "test"), SKIP_SETUP=1 to use the current Python as is.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -13,7 +13,7 @@ else
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 NNODES="${NNODES:-1}"
-NPROC_PER_NODE="${NPROC_PER_NODE:-1}"
+NPROC_PER_NODE="${NPROC_PER_NODE:-2}"
 if [ -z "${OMP_NUM_THREADS:-}" ]; then
   cores=$(nproc)
   export OMP_NUM_THREADS=$(( cores / NPROC_PER_NODE > 0 ? cores / NPROC_PER_NODE : 1 ))

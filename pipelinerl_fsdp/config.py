@@ -32,8 +32,9 @@ class JobConfig:
     name: str = "arithmetic"
     output_dir: str = "outputs/arithmetic"
     seed: int = 0
-    # "warmstart": supervised training of the initial policy (the RL stage builds on its folder).
-    stage: Literal["warmstart"] = "warmstart"
+    # "warmstart": supervised training of the initial policy only.
+    # "rl": warm start if its folder is missing, then PipelineRL from that folder (or from model.path).
+    stage: Literal["warmstart", "rl"] = "warmstart"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # torch threads per rank; 0 = the node's cores divided by the ranks on the node
     threads_per_rank: int = 0
@@ -98,12 +99,48 @@ class WarmstartConfig:
 
 
 @dataclass
+class InferenceConfig:
+    engine: Literal["reference"] = "reference"
+    # concurrent sequences per engine (continuous batching slots)
+    max_num_seqs: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # after an in-flight update: false keeps the KV cache of in-progress sequences, true recomputes it
+    recompute_kv_on_update: bool = False
+    # finished groups an engine may queue for sending before it blocks (backpressure)
+    max_queued_groups: int = 2
+
+
+@dataclass
+class RLConfig:
+    mode: Literal["pipeline"] = "pipeline"
+    # attempts per prompt (the group of the baseline)
+    attempts: int = 8
+    # sequences per optimizer step, all trainer ranks together
+    batch_size: int = 64
+    max_steps: int = 100
+    loss: Literal["reinforce", "ppo"] = "reinforce"
+    # c: truncation of the importance weights
+    is_clip: float = 5.0
+    ppo_eps: float = 0.2
+    baseline: Literal["mean", "loo"] = "mean"
+    std_normalize: bool = False
+    filter_zero_advantage: bool = False
+    # samples whose oldest token is more than max_lag versions behind the trainer are dropped (and counted)
+    max_lag: int = 8
+    # push weights to the engines every sync_every optimizer steps
+    sync_every: int = 1
+
+
+@dataclass
 class WorldConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     # how many of the torchrun ranks host a generation engine (the highest ranks; trainers keep the low ones)
     inference_ranks: int = 0
     # collective time-out: a rank stuck longer than this fails instead of hanging
     timeout_s: int = 600
+    # weight broadcast bucket size (whole layers per bucket)
+    weight_bucket_mb: int = 64
 
 
 @dataclass
@@ -120,6 +157,8 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # where the values came from, for error messages (not a TOML section)
@@ -148,8 +187,20 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("warmstart", "batch_size"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "eval_every"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "min_accuracy"): (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("inference", "max_num_seqs"): (lambda v: v >= 1, ">= 1"),
+    ("inference", "temperature"): (lambda v: v > 0, "> 0 (log-probs of a greedy policy are undefined)"),
+    ("inference", "top_p"): (lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("inference", "max_queued_groups"): (lambda v: v >= 1, ">= 1"),
+    ("rl", "attempts"): (lambda v: v >= 1, ">= 1"),
+    ("rl", "batch_size"): (lambda v: v >= 1, ">= 1"),
+    ("rl", "max_steps"): (lambda v: v >= 1, ">= 1"),
+    ("rl", "is_clip"): (lambda v: v >= 1, ">= 1"),
+    ("rl", "ppo_eps"): (lambda v: 0 < v < 1, "in (0, 1)"),
+    ("rl", "max_lag"): (lambda v: v >= 0, ">= 0"),
+    ("rl", "sync_every"): (lambda v: v >= 1, ">= 1"),
     ("world", "timeout_s"): (lambda v: v >= 10, ">= 10 seconds"),
     ("world", "inference_ranks"): (lambda v: v >= 0, ">= 0"),
+    ("world", "weight_bucket_mb"): (lambda v: v >= 1, ">= 1"),
     ("job", "threads_per_rank"): (lambda v: v >= 0, ">= 0"),
     ("metrics", "log_every"): (lambda v: v >= 1, ">= 1"),
 }
@@ -261,6 +312,9 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, sec), key)
         if not pred(value):
             raise ConfigError(f"{sec}.{key} = {value!r} must be {what} ({cfg.source})")
+    if cfg.inference.max_num_seqs < cfg.rl.attempts:
+        raise ConfigError(f"inference.max_num_seqs = {cfg.inference.max_num_seqs} must be >= rl.attempts = "
+                          f"{cfg.rl.attempts}: a group is generated on one engine ({cfg.source})")
     if cfg.task.max_terms < cfg.task.min_terms:
         raise ConfigError(f"task.max_terms = {cfg.task.max_terms} must be >= task.min_terms = "
                           f"{cfg.task.min_terms} ({cfg.source})")
@@ -276,6 +330,8 @@ def validate_world(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"world.inference_ranks = {cfg.world.inference_ranks} leaves no trainer rank: the job "
                           f"has {world_size} rank(s) in all ({cfg.source})")
     trainers = world_size - cfg.world.inference_ranks
+    if cfg.job.stage == "rl" and cfg.world.inference_ranks < 1:
+        raise ConfigError(f"job.stage = 'rl' needs world.inference_ranks >= 1 ({cfg.source})")
     if cfg.warmstart.batch_size % trainers:
         raise ConfigError(f"warmstart.batch_size = {cfg.warmstart.batch_size} must be a multiple of the number "
                           f"of trainer ranks ({trainers}) ({cfg.source})")

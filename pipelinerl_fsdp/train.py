@@ -2,25 +2,48 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 
+import torch.distributed as dist
+
 from pipelinerl_fsdp.config import Config, ConfigError, load_config, save_resolved, validate_world
-from pipelinerl_fsdp.world import init_world, shutdown
+from pipelinerl_fsdp.world import World, init_world, shutdown
+
+
+def run_rl(cfg: Config, world: World) -> None:
+    """Warm start (trainer ranks, if its folder is missing) unless model.path is given, then PipelineRL."""
+    from pipelinerl_fsdp.inference.worker import run_inference
+    from pipelinerl_fsdp.trainer import run_trainer
+    from pipelinerl_fsdp.warmstart import run_warmstart
+
+    path = cfg.model.path
+    if not path:
+        if world.is_trainer:
+            path = str(run_warmstart(cfg, world))
+        path = cfg.warmstart.path
+    dist.barrier()  # inference ranks wait for the warm-start folder
+    bucket = cfg.world.weight_bucket_mb * 1024**2
+    if world.is_trainer:
+        run_trainer(cfg, world, path, bucket)
+    else:
+        run_inference(cfg, world, path, bucket)
 
 
 def run(cfg: Config) -> None:
     world = init_world(cfg)
-    try:
-        validate_world(cfg, world.world_size)
-        if world.is_main:
-            save_resolved(cfg, cfg.job.output_dir)
-        if cfg.job.stage == "warmstart":
-            from pipelinerl_fsdp.warmstart import run_warmstart
+    validate_world(cfg, world.world_size)
+    if world.is_main:
+        save_resolved(cfg, cfg.job.output_dir)
+    if cfg.job.stage == "warmstart":
+        from pipelinerl_fsdp.warmstart import run_warmstart
 
+        if world.is_trainer:
             run_warmstart(cfg, world)
-    finally:
-        shutdown()
+    elif cfg.job.stage == "rl":
+        run_rl(cfg, world)
+    shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,13 +54,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr, flush=True)
-        return 2
-    except BaseException:
-        # Print the cause with the rank before torchrun tears the other ranks down.
-        import os
-
-        print(f"[rank {os.environ.get('RANK', 0)}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        raise
+    except BaseException as e:
+        # Print the cause with the rank, then exit at once: a clean shutdown could block on collectives or
+        # threads that wait for peers, and torchrun tears the other ranks down as soon as this one is gone.
+        rank = os.environ.get("RANK", "0")
+        if isinstance(e, ConfigError):
+            print(f"[rank {rank}] config error: {e}", file=sys.stderr, flush=True)
+        else:
+            print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2 if isinstance(e, ConfigError) else 1)
     return 0

@@ -45,6 +45,8 @@ def test_int_accepted_for_float(tmp_path):
     ("[job]\ndebug = true\n", r"unknown key job\.debug"),
     ("[task\nname = 1", r"c\.toml: invalid TOML: .*line 1"),
     ("[trainer]\nbetas = [0.9]\n", r"trainer\.betas = \[0\.9\] must be two numbers"),
+    ("[inference]\nmax_num_seqs = 4\n[rl]\nattempts = 8\n", r"inference\.max_num_seqs = 4 must be >= rl\.attempts"),
+    ("[inference]\ntemperature = 0.0\n", r"inference\.temperature = 0\.0 must be > 0"),
     ("[metrics]\ntensorboard = 1\n", r"metrics\.tensorboard: expected bool"),
 ])
 def test_file_errors_name_the_key(tmp_path, text, pattern):
@@ -68,6 +70,10 @@ def test_command_line_errors_name_the_key(args, pattern):
 def test_world_checks():
     cfg = load_config(["--warmstart.batch_size=6"])
     validate_world(cfg, 3)
+    with pytest.raises(ConfigError, match=r"world\.inference_ranks = 2 leaves no trainer rank: .* 2 rank"):
+        validate_world(load_config(["--world.inference_ranks=2"]), 2)
+    with pytest.raises(ConfigError, match=r"job\.stage = 'rl' needs world\.inference_ranks >= 1"):
+        validate_world(load_config(["--job.stage=rl"]), 2)
     with pytest.raises(ConfigError, match=r"warmstart\.batch_size = 6 must be a multiple .* \(4\)"):
         validate_world(cfg, 4)
 
@@ -76,6 +82,6 @@ def test_resolved_config_roundtrips(tmp_path):
     cfg = load_config(["--config", "arithmetic", "--task.name=chain_sum", "--job.output_dir=a \"quoted\" dir"])
     path = save_resolved(cfg, tmp_path)
     again = load_config(["--config", str(path)])
-    for sec in ("job", "model", "tokenizer", "task", "trainer", "warmstart", "world", "metrics"):
+    for sec in ("job", "model", "tokenizer", "task", "trainer", "warmstart", "inference", "rl", "world", "metrics"):
         assert getattr(again, sec) == getattr(cfg, sec), sec
     assert isinstance(again, Config)

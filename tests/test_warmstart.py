@@ -16,19 +16,20 @@ from pipelinerl_fsdp.tokenizer import load_tokenizer
 from pipelinerl_fsdp.warmstart import task_from_config
 
 pytestmark = pytest.mark.slow
+WARMSTART = ("--config", "arithmetic", "--job.stage=warmstart", "--world.inference_ranks=0")
 
 
 def test_default_warmstart_reaches_40_percent_and_is_reused(tmp_path):
     folder, out = tmp_path / "ws", tmp_path / "run"
-    # The default CPU configuration, only redirected to temporary folders.
-    r = torchrun(1, "--config", "arithmetic", f"--warmstart.path={folder}", f"--job.output_dir={out}", threads=2)
+    # The default CPU configuration's warm start, only redirected to temporary folders.
+    r = torchrun(1, *WARMSTART, f"--warmstart.path={folder}", f"--job.output_dir={out}", threads=2)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     records = [json.loads(line) for line in (out / "warmstart" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["eval_accuracy"] >= 0.40, records[-1]
     assert (out / "config.toml").is_file() and any((out / "warmstart" / "tb").iterdir())
 
     # Independently re-measure the saved folder's accuracy (not trusting the logged number).
-    cfg = load_config(["--config", "arithmetic"])
+    cfg = load_config(list(WARMSTART))
     acc = greedy_accuracy(load_hf_model(folder), task_from_config(cfg), load_tokenizer(folder),
                           cfg.task.max_new_tokens)
     assert acc >= 0.40
@@ -43,7 +44,7 @@ def test_default_warmstart_reaches_40_percent_and_is_reused(tmp_path):
 
     # A second run reuses the folder instead of training again.
     before = (folder / "model.safetensors").stat().st_mtime_ns
-    r2 = torchrun(1, "--config", "arithmetic", f"--warmstart.path={folder}", f"--job.output_dir={out}2")
+    r2 = torchrun(1, *WARMSTART, f"--warmstart.path={folder}", f"--job.output_dir={out}2")
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "reusing" in r2.stdout
     assert (folder / "model.safetensors").stat().st_mtime_ns == before
@@ -52,7 +53,7 @@ def test_default_warmstart_reaches_40_percent_and_is_reused(tmp_path):
 def test_two_fsdp_ranks_match_one_rank(tmp_path):
     """Same problems per step (ranks take interleaved indices), loss normalised by the global token count:
     2-rank FSDP training must give the same weights as 1 rank."""
-    common = ["--config", "arithmetic", "--warmstart.steps=8", "--warmstart.eval_every=8",
+    common = [*WARMSTART, "--warmstart.steps=8", "--warmstart.eval_every=8",
               "--task.eval_size=16", "--metrics.log_every=4", "--trainer.micro_batch_tokens=64"]
     for n in (1, 2):
         r = torchrun(n, *common, f"--warmstart.path={tmp_path}/ws{n}", f"--job.output_dir={tmp_path}/out{n}")
@@ -69,13 +70,13 @@ def test_two_fsdp_ranks_match_one_rank(tmp_path):
 
 
 def test_bad_config_fails_fast_naming_the_key(tmp_path):
-    r = torchrun(1, "--config", "arithmetic", "--warmstart.stepz=3", timeout=120)
+    r = torchrun(1, *WARMSTART, "--warmstart.stepz=3", timeout=120)
     assert r.returncode != 0
     assert "unknown key warmstart.stepz" in r.stderr
 
 
 def test_too_small_generation_budget_is_an_error(tmp_path):
-    r = torchrun(1, "--config", "arithmetic", "--task.max_new_tokens=3", f"--warmstart.path={tmp_path}/ws",
+    r = torchrun(1, *WARMSTART, "--task.max_new_tokens=3", f"--warmstart.path={tmp_path}/ws",
                  f"--job.output_dir={tmp_path}/out", timeout=180)
     assert r.returncode != 0
     assert "task.max_new_tokens = 3 is too small" in r.stderr

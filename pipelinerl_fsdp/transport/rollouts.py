@@ -21,6 +21,8 @@ import torch.distributed as dist
 HEADER_TAG, INTS_TAG, FLOATS_TAG = 1, 2, 3
 DATA, DONE = 1, 2
 _HEADER_LEN = 4  # kind, n_samples, n_ints, n_floats
+# Cumulative engine counters sent with every message (first floats of the payload), for throughput metrics.
+ENGINE_STATS = ("gen_tokens", "busy_s", "elapsed_s", "update_pause_ms")
 
 
 @dataclass
@@ -74,16 +76,17 @@ class RolloutSender:
 
     def __init__(self, group: dist.ProcessGroup, dst: int, max_queued: int = 8) -> None:
         self.group, self.dst = group, dst
-        self._q: queue.Queue[list[Sample] | None] = queue.Queue(maxsize=max_queued)
+        self._q: queue.Queue[tuple[list[Sample], list[float]] | None] = queue.Queue(maxsize=max_queued)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="rollout-sender", daemon=True)
         self._thread.start()
 
-    def put(self, samples: list[Sample], timeout: float | None = None) -> bool:
-        """Queue a group for sending; False if the queue stayed full for `timeout` seconds."""
+    def put(self, samples: list[Sample], stats: dict[str, float], timeout: float | None = None) -> bool:
+        """Queue a group (+ the engine's ENGINE_STATS counters) for sending; False if the queue stayed full
+        for `timeout` seconds."""
         self._raise_if_failed()
         try:
-            self._q.put(samples, timeout=timeout)
+            self._q.put((samples, [float(stats[k]) for k in ENGINE_STATS]), timeout=timeout)
             return True
         except queue.Full:
             return False
@@ -109,8 +112,10 @@ class RolloutSender:
                     dist.send(torch.tensor([DONE, 0, 0, 0], dtype=torch.long), self.dst, group=self.group,
                               tag=HEADER_TAG)
                     return
-                ints, floats = encode_samples(item)
-                header = torch.tensor([DATA, len(item), ints.numel(), floats.numel()], dtype=torch.long)
+                samples, stats = item
+                ints, floats = encode_samples(samples)
+                floats = torch.cat([torch.tensor(stats, dtype=torch.float32), floats])
+                header = torch.tensor([DATA, len(samples), ints.numel(), floats.numel()], dtype=torch.long)
                 dist.send(header, self.dst, group=self.group, tag=HEADER_TAG)
                 dist.send(ints, self.dst, group=self.group, tag=INTS_TAG)
                 dist.send(floats, self.dst, group=self.group, tag=FLOATS_TAG)
@@ -123,14 +128,14 @@ class RolloutReceiver:
 
     def __init__(self, group: dist.ProcessGroup, n_senders: int, max_queued: int = 64) -> None:
         self.group, self.n_senders = group, n_senders
-        self._q: queue.Queue[tuple[int, list[Sample]]] = queue.Queue(maxsize=max_queued)
+        self._q: queue.Queue[tuple[int, list[Sample], dict[str, float]]] = queue.Queue(maxsize=max_queued)
         self.error: BaseException | None = None
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-receiver", daemon=True)
         self._thread.start()
 
-    def get(self, timeout: float) -> tuple[int, list[Sample]] | None:
-        """(sender rank, group samples), or None if nothing arrived within `timeout` seconds."""
+    def get(self, timeout: float) -> tuple[int, list[Sample], dict[str, float]] | None:
+        """(sender rank, group samples, engine counters), or None if nothing arrived within `timeout` s."""
         if self.error is not None:
             raise RuntimeError("rollout receiver thread failed") from self.error
         try:
@@ -158,7 +163,9 @@ class RolloutReceiver:
                 floats = torch.empty(n_floats, dtype=torch.float32)
                 dist.recv(ints, src, group=self.group, tag=INTS_TAG)
                 dist.recv(floats, src, group=self.group, tag=FLOATS_TAG)
-                self._q.put((src, decode_samples(n, ints, floats)))
+                k = len(ENGINE_STATS)
+                stats = dict(zip(ENGINE_STATS, floats[:k].tolist()))
+                self._q.put((src, decode_samples(n, ints, floats[k:]), stats))
         except BaseException as e:
             self.error = e
         finally:
