@@ -91,6 +91,8 @@ class WarmstartConfig:
     steps: int = 1200
     lr: float = 1e-3
     warmup_steps: int = 50
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
     # sequences per optimizer step (all ranks together)
     batch_size: int = 64
     eval_every: int = 250
@@ -123,6 +125,8 @@ class RLConfig:
     # c: truncation of the importance weights
     is_clip: float = 5.0
     ppo_eps: float = 0.2
+    # KL penalty (k3 estimator) to the frozen initial policy; 0 disables it (the paper's setting)
+    kl_coef: float = 0.0
     baseline: Literal["mean", "loo"] = "mean"
     std_normalize: bool = False
     filter_zero_advantage: bool = False
@@ -144,6 +148,17 @@ class WorldConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # save a DCP checkpoint every `interval` RL steps (0: never)
+    interval: int = 0
+    # default: <job.output_dir>/checkpoints
+    folder: str = ""
+    # continue from the latest checkpoint in `folder` (an error if there is none)
+    resume: bool = False
+    keep: int = 2
+
+
+@dataclass
 class MetricsConfig:
     log_every: int = 10
     tensorboard: bool = True
@@ -160,6 +175,7 @@ class Config:
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # where the values came from, for error messages (not a TOML section)
     source: str = field(default="defaults", metadata={"internal": True})
@@ -184,6 +200,7 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("warmstart", "steps"): (lambda v: v >= 0, ">= 0"),
     ("warmstart", "lr"): (lambda v: v > 0, "> 0"),
     ("warmstart", "warmup_steps"): (lambda v: v >= 0, ">= 0"),
+    ("warmstart", "min_lr_ratio"): (lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("warmstart", "batch_size"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "eval_every"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "min_accuracy"): (lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -197,12 +214,15 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("rl", "is_clip"): (lambda v: v >= 1, ">= 1"),
     ("rl", "ppo_eps"): (lambda v: 0 < v < 1, "in (0, 1)"),
     ("rl", "max_lag"): (lambda v: v >= 0, ">= 0"),
+    ("rl", "kl_coef"): (lambda v: v >= 0, ">= 0"),
     ("rl", "sync_every"): (lambda v: v >= 1, ">= 1"),
     ("world", "timeout_s"): (lambda v: v >= 10, ">= 10 seconds"),
     ("world", "inference_ranks"): (lambda v: v >= 0, ">= 0"),
     ("world", "weight_bucket_mb"): (lambda v: v >= 1, ">= 1"),
     ("job", "threads_per_rank"): (lambda v: v >= 0, ">= 0"),
     ("metrics", "log_every"): (lambda v: v >= 1, ">= 1"),
+    ("checkpoint", "interval"): (lambda v: v >= 0, ">= 0"),
+    ("checkpoint", "keep"): (lambda v: v >= 1, ">= 1"),
 }
 
 
@@ -398,6 +418,10 @@ def to_toml(cfg: Config) -> str:
         for key, value in dataclasses.asdict(getattr(cfg, sec)).items():
             lines.append(f"{key} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
+
+
+def checkpoint_folder(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.folder or Path(cfg.job.output_dir) / "checkpoints")
 
 
 def save_resolved(cfg: Config, folder: str | Path) -> Path:

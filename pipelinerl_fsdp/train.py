@@ -6,6 +6,7 @@ import os
 import sys
 import traceback
 
+import torch
 import torch.distributed as dist
 
 from pipelinerl_fsdp.config import Config, ConfigError, load_config, save_resolved, validate_world
@@ -21,7 +22,12 @@ def run_rl(cfg: Config, world: World) -> None:
     path = cfg.model.path
     if not path:
         if world.is_trainer:
-            path = str(run_warmstart(cfg, world))
+            threads = torch.get_num_threads()
+            if not cfg.job.threads_per_rank:  # the engines idle meanwhile: let the trainers use their cores
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) * world.world_size
+                                          // (world.local_world_size * len(world.trainer_ranks))))
+            run_warmstart(cfg, world)
+            torch.set_num_threads(threads)
         path = cfg.warmstart.path
     dist.barrier()  # inference ranks wait for the warm-start folder
     bucket = cfg.world.weight_bucket_mb * 1024**2

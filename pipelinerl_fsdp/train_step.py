@@ -61,6 +61,20 @@ def forward_backward(model: Transformer, micro_batches: list[dict[str, torch.Ten
     return stats
 
 
+@torch.no_grad()
+def add_reference_logprobs(ref_model: Transformer, micro_batches: list[dict[str, torch.Tensor]],
+                           temperature: float, group: dist.ProcessGroup | None, device: torch.device,
+                           chunk_size: int = 1024) -> None:
+    """Log-probs of the targets under a frozen reference model, stored as micro_batch["ref_logp"] (lockstep)."""
+    n = agree_max(len(micro_batches), group, device)
+    for i in range(n):
+        mb = micro_batches[i] if i < len(micro_batches) else _dummy_micro_batch(device)
+        logp, _ = ref_model(mb["input_ids"], mb["position_ids"], targets=mb["targets"], temperature=temperature,
+                            logprob_chunk_size=chunk_size)
+        if i < len(micro_batches):
+            micro_batches[i]["ref_logp"] = logp
+
+
 def clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer,
                   scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float) -> float:
     """Clip the global gradient norm, step optimizer and schedule; returns the pre-clip norm."""

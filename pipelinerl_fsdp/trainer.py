@@ -15,17 +15,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipelinerl_fsdp.config import Config
+from pipelinerl_fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
 from pipelinerl_fsdp.faults import maybe_fail
 from pipelinerl_fsdp.metrics import MetricsLogger
-from pipelinerl_fsdp.models import load_hf_model
+from pipelinerl_fsdp.models import load_hf_model, save_hf_folder
 from pipelinerl_fsdp.optim import build_optimizer
-from pipelinerl_fsdp.parallelize import DTYPES, apply_fsdp, resolve_param_dtype
+from pipelinerl_fsdp.parallelize import DTYPES, apply_fsdp, full_state_dict, resolve_param_dtype
 from pipelinerl_fsdp.rl.advantages import is_zero_advantage_group
 from pipelinerl_fsdp.rl.ess import ess_from_sums
 from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
 from pipelinerl_fsdp.rl.packing import collate_packed, pack_into_bins
-from pipelinerl_fsdp.train_step import clip_and_step, forward_backward, sum_over_ranks
+from pipelinerl_fsdp.tokenizer import load_tokenizer
+from pipelinerl_fsdp.train_step import add_reference_logprobs, clip_and_step, forward_backward, sum_over_ranks
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, Sample
 from pipelinerl_fsdp.transport.weights import WeightSender
 from pipelinerl_fsdp.world import World
@@ -75,6 +77,13 @@ class Collector:
         self.engine_stats: dict[int, dict[str, float]] = {}
         self.dropped_total = 0
         self.filtered_total = 0
+        self.n_engines = cfg.world.inference_ranks
+        self.max_gid: dict[int, int] = {}  # inference index -> newest group id received from it
+
+    def stream_next(self) -> dict[str, int]:
+        """Per inference index, the prompt-stream position after the newest group received (for resume)."""
+        n = self.n_engines
+        return {str(k): v + n for k, v in self.max_gid.items()}
 
     def next_batch(self, version: int, timeout_s: float) -> Batch:
         rl = self.cfg.rl
@@ -91,6 +100,9 @@ class Collector:
                 continue
             src, group, stats = got
             self.engine_stats[src] = stats
+            gid = group[0].group_id
+            key = gid % self.n_engines
+            self.max_gid[key] = max(self.max_gid.get(key, -1), gid)
             if rl.filter_zero_advantage and is_zero_advantage_group([s.reward for s in group]):
                 self.filtered_total += len(group)
                 continue
@@ -116,7 +128,12 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
     n_ranks = len(world.trainer_ranks)
     model = load_hf_model(model_path, device)
     engine_dtype = next(model.parameters()).dtype
-    apply_fsdp(model, world.trainer_mesh, resolve_param_dtype(tr.param_dtype, device), DTYPES[tr.reduce_dtype])
+    param_dtype = resolve_param_dtype(tr.param_dtype, device)
+    apply_fsdp(model, world.trainer_mesh, param_dtype, DTYPES[tr.reduce_dtype])
+    ref_model = None
+    if rl.kl_coef > 0:  # the frozen initial policy, sharded like the trained one
+        ref_model = load_hf_model(model_path, device).requires_grad_(False)
+        apply_fsdp(ref_model, world.trainer_mesh, param_dtype, DTYPES[tr.reduce_dtype])
     optimizer, scheduler = build_optimizer(model.parameters(), tr.lr, tr.betas, tr.eps, tr.weight_decay,
                                            tr.warmup_steps, rl.max_steps, tr.lr_schedule, tr.min_lr_ratio)
     sender = WeightSender(model, world.weight_group, world.trainer_ranks[0], world.is_main, engine_dtype,
@@ -127,11 +144,23 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
     collector = Collector(RolloutReceiver(world.rollout_group, len(world.inference_ranks), queue_groups), cfg) \
         if world.is_main else None
     logger = MetricsLogger(Path(cfg.job.output_dir) / "rl", cfg.metrics.tensorboard, world.is_main)
-    settings = LossSettings(kind=rl.loss, is_clip=rl.is_clip, ppo_eps=rl.ppo_eps)
-    version = 0
+    settings = LossSettings(kind=rl.loss, is_clip=rl.is_clip, ppo_eps=rl.ppo_eps, kl_coef=rl.kl_coef)
+    version = start_step = 0
+    ckpt_dir = checkpoint_folder(cfg)
+    if cfg.checkpoint.resume:
+        path = latest_checkpoint(ckpt_dir)
+        if path is None:
+            raise ConfigError(f"checkpoint.resume = true but {ckpt_dir} holds no complete checkpoint")
+        meta = load_checkpoint(path, model, optimizer, scheduler, group)
+        start_step, version = meta["step"], meta["version"]
+        if collector is not None:
+            collector.dropped_total = meta["dropped_stale"]
+        sender.push(version)  # the engines wait for the restored weights before generating
+        if world.is_main:
+            print(f"[train] resumed from {path} at step {start_step}, version {version}", flush=True)
     prev_engine = {"gen_tokens": 0.0, "busy_s": 0.0, "elapsed_s": 0.0}
     t_prev = time.perf_counter()
-    for step in range(rl.max_steps):
+    for step in range(start_step, rl.max_steps):
         maybe_fail(world.rank, step)
         t_step = time.perf_counter()
         info: list[object] = [None, None]
@@ -145,13 +174,17 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
         t_data = time.perf_counter()
 
         def loss_fn(logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor]):
+            ref = mb["ref_logp"][0] if "ref_logp" in mb else None
             loss, s = policy_loss(logp[0], mb["behaviour_logp"][0], mb["advantage"][0], mb["mask"][0],
-                                  rl.batch_size, settings)
+                                  rl.batch_size, settings, ref)
             s["entropy"] = float((ent[0] * mb["mask"][0]).sum())
             # FSDP averages gradients over ranks; the loss is already normalised by the global B.
             return loss * n_ranks, s
 
         micro = rl_micro_batches(mine, tr.micro_batch_tokens, device)
+        if ref_model is not None:
+            add_reference_logprobs(ref_model, micro, cfg.inference.temperature, group, device,
+                                   tr.logprob_chunk_size)
         stats = forward_backward(model, micro, loss_fn, cfg.inference.temperature, group, device,
                                  tr.logprob_chunk_size)
         lr = scheduler.get_last_lr()[0]
@@ -176,6 +209,7 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
                 "current_version_frac": sum(1 for x in lags if x == 0) / max(len(lags), 1),
                 "entropy": sums["entropy"] / max(sums["tokens"], 1.0),
                 "is_clipped_frac": sums["clipped"] / max(sums["tokens"], 1.0),
+                "kl": sums["kl"] / max(sums["tokens"], 1.0),
                 "grad_norm": grad_norm,
                 "lr": lr,
                 "completion_len": sums["tokens"] / len(samples),
@@ -194,7 +228,24 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
             prev_engine = eng
             logger.log(step + 1, values, console=(step + 1) % cfg.metrics.log_every == 0 or step == 0)
         t_prev = t_end
+        if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
+            meta = {"version": version, "dropped_stale": collector.dropped_total if collector else 0,
+                    "stream_next": collector.stream_next() if collector else {}}
+            save_checkpoint(ckpt_dir, step + 1, model, optimizer, scheduler, meta, group, world.is_main,
+                            cfg.checkpoint.keep)
     sender.stop()
     if collector is not None:
         collector.drain()
+    export_policy(model, model_path, Path(cfg.job.output_dir) / "final", world)
     logger.close()
+
+
+def export_policy(model: torch.nn.Module, init_path: str | Path, out: Path, world: World) -> None:
+    """Write the trained policy as an HF folder (weights + config + the initial folder's tokenizer)."""
+    full = full_state_dict(model)  # collective over the trainer ranks
+    if world.is_main:
+        args = model.args  # type: ignore[attr-defined]
+        save_hf_folder(out, args, full, dtype=torch.float32)
+        load_tokenizer(init_path).save_pretrained(str(out))
+        print(f"[train] exported the final policy to {out}", flush=True)
+    dist.barrier(group=world.trainer_group)

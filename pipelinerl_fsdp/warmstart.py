@@ -102,7 +102,7 @@ def run_warmstart(cfg: Config, world: World) -> Path:
     apply_fsdp(model, world.trainer_mesh, param_dtype, DTYPES[cfg.trainer.reduce_dtype])
     ws, tr = cfg.warmstart, cfg.trainer
     optimizer, scheduler = build_optimizer(model.parameters(), ws.lr, tr.betas, tr.eps, tr.weight_decay,
-                                           ws.warmup_steps, ws.steps, tr.lr_schedule, tr.min_lr_ratio)
+                                           ws.warmup_steps, ws.steps, ws.lr_schedule, ws.min_lr_ratio)
     stream = ProblemStream(task, seed=cfg.job.seed, offset=dp_rank, stride=n_ranks)
     per_rank = ws.batch_size // n_ranks
     logger = MetricsLogger(Path(cfg.job.output_dir) / "warmstart", cfg.metrics.tensorboard, world.is_main,

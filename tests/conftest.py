@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,3 +33,14 @@ def torchrun(nproc: int, *args: str, timeout: float = 900, threads: int = 1) -> 
     """The real job: `torchrun ... run_train.py args...`."""
     return torchrun_script(nproc, ROOT / "run_train.py", *args, f"--job.threads_per_rank={threads}",
                            timeout=timeout, threads=threads)
+
+
+WARMSTART_ARGS = ("--config", "arithmetic", "--job.stage=warmstart", "--world.inference_ranks=0")
+
+
+@pytest.fixture(scope="session")
+def default_warmstart(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """The default configuration's warm start, run once per session: (HF folder, output dir, process)."""
+    d = tmp_path_factory.mktemp("default_ws")
+    r = torchrun(1, *WARMSTART_ARGS, f"--warmstart.path={d}/model", f"--job.output_dir={d}/out", threads=2)
+    return d / "model", d / "out", r

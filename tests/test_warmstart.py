@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import torchrun
+from conftest import WARMSTART_ARGS, torchrun
 from pipelinerl_fsdp.config import load_config
 from pipelinerl_fsdp.evaluation import greedy_accuracy
 from pipelinerl_fsdp.models import load_hf_model
@@ -16,13 +16,12 @@ from pipelinerl_fsdp.tokenizer import load_tokenizer
 from pipelinerl_fsdp.warmstart import task_from_config
 
 pytestmark = pytest.mark.slow
-WARMSTART = ("--config", "arithmetic", "--job.stage=warmstart", "--world.inference_ranks=0")
+WARMSTART = WARMSTART_ARGS
 
 
-def test_default_warmstart_reaches_40_percent_and_is_reused(tmp_path):
-    folder, out = tmp_path / "ws", tmp_path / "run"
+def test_default_warmstart_reaches_40_percent_and_is_reused(default_warmstart, tmp_path):
     # The default CPU configuration's warm start, only redirected to temporary folders.
-    r = torchrun(1, *WARMSTART, f"--warmstart.path={folder}", f"--job.output_dir={out}", threads=2)
+    folder, out, r = default_warmstart
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     records = [json.loads(line) for line in (out / "warmstart" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["eval_accuracy"] >= 0.40, records[-1]
@@ -44,7 +43,7 @@ def test_default_warmstart_reaches_40_percent_and_is_reused(tmp_path):
 
     # A second run reuses the folder instead of training again.
     before = (folder / "model.safetensors").stat().st_mtime_ns
-    r2 = torchrun(1, *WARMSTART, f"--warmstart.path={folder}", f"--job.output_dir={out}2")
+    r2 = torchrun(1, *WARMSTART, f"--warmstart.path={folder}", f"--job.output_dir={tmp_path}/again")
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert "reusing" in r2.stdout
     assert (folder / "model.safetensors").stat().st_mtime_ns == before

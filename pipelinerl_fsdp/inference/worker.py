@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from pipelinerl_fsdp.config import Config
+from pipelinerl_fsdp.checkpoint import latest_checkpoint, read_meta
+from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
 from pipelinerl_fsdp.evaluation import completion_text
 from pipelinerl_fsdp.faults import maybe_fail
 from pipelinerl_fsdp.inference.engine import ReferenceEngine, Request
@@ -57,6 +58,22 @@ class InferenceWorker:
         self.stats = {"gen_tokens": 0.0, "busy_s": 0.0, "elapsed_s": 0.0, "update_pause_ms": 0.0}
         self._t0 = time.perf_counter()
         self.stopped = False
+        if cfg.checkpoint.resume:
+            self._resume()
+
+    def _resume(self) -> None:
+        """Continue the prompt stream after the groups the checkpoint had seen; wait for its weights."""
+        path = latest_checkpoint(checkpoint_folder(self.cfg))
+        if path is None:
+            raise ConfigError(f"checkpoint.resume = true but {checkpoint_folder(self.cfg)} holds no checkpoint")
+        nxt = read_meta(path)["stream_next"].get(str(self.world.inference_index))
+        if nxt is not None:
+            self.stream.reset({"index": nxt})
+            self._next_gid = nxt
+        kind, version = self.receiver.receive(self.load)  # the trainer pushes the restored weights first
+        if kind == STOP:
+            self.stopped = True
+        self.engine.set_version(version)
 
     def _service_update(self) -> None:
         """If a weight update (or stop) has arrived, take it now: this runs only between two engine steps."""
