@@ -20,7 +20,7 @@ from pipelinerl_fsdp.tasks import Problem
 from pipelinerl_fsdp.tasks.arithmetic import ProblemStream
 from pipelinerl_fsdp.tokenizer import encode_prompt, load_tokenizer
 from pipelinerl_fsdp.transport.rollouts import RolloutSender, Sample
-from pipelinerl_fsdp.transport.weights import STOP, WeightReceiver, copy_into
+from pipelinerl_fsdp.transport.weights import STOP, WeightReceiver
 from pipelinerl_fsdp.warmstart import task_from_config
 from pipelinerl_fsdp.world import World
 
@@ -46,9 +46,9 @@ class InferenceWorker:
                                       seed=cfg.job.seed * 1000 + world.rank)
         src = world.trainer_ranks[0]
         params = self.engine.params
-        self.load = copy_into(params)
         self.receiver = WeightReceiver([(n, p.shape) for n, p in params.items()], world.weight_group, src,
                                        next(model.parameters()).dtype, world.device, bucket_bytes)
+        self.receiver.bind(params)  # updates land straight in the engine's weights
         self.sender = RolloutSender(world.rollout_group, src, inf.max_queued_groups)
         n_inf = len(world.inference_ranks)
         self.stream = ProblemStream(self.task, cfg.job.seed, offset=world.inference_index, stride=n_inf)
@@ -70,7 +70,7 @@ class InferenceWorker:
         if nxt is not None:
             self.stream.reset({"index": nxt})
             self._next_gid = nxt
-        kind, version = self.receiver.receive(self.load)  # the trainer pushes the restored weights first
+        kind, version = self.receiver.receive()  # the trainer pushes the restored weights first
         if kind == STOP:
             self.stopped = True
         self.engine.set_version(version)
@@ -80,7 +80,7 @@ class InferenceWorker:
         if self.stopped or not self.receiver.pending():
             return
         t0 = time.perf_counter()
-        kind, version = self.receiver.receive(self.load)
+        kind, version = self.receiver.receive()
         if kind == STOP:
             self.stopped = True
             return
@@ -96,10 +96,10 @@ class InferenceWorker:
         self._next_gid += self._gid_stride
         self.groups[gid] = _Group(problem, ids)
         for a in range(self.cfg.rl.attempts):
-            self.engine.add(Request(gid * 1000 + a, ids, self.cfg.task.max_new_tokens))
+            self.engine.add(Request(gid * self.cfg.rl.attempts + a, ids, self.cfg.task.max_new_tokens))
 
     def _finish(self, req: Request) -> None:
-        gid = req.request_id // 1000
+        gid = req.request_id // self.cfg.rl.attempts
         g = self.groups[gid]
         g.done.append(req)
         if len(g.done) < self.cfg.rl.attempts:

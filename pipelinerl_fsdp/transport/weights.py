@@ -116,10 +116,33 @@ class WeightReceiver:
         sizes = [(n, int(torch.Size(s).numel())) for n, s in names_and_shapes]
         self.buckets = layer_buckets(sizes, torch.tensor([], dtype=dtype).element_size(), bucket_bytes)
         self._sizes = [sum(sizes[i][1] for i in b) for b in self.buckets]
+        self.dtype = dtype
         self._buf = torch.empty(max(self._sizes), dtype=dtype, device=device)
         self._header = torch.zeros(3, dtype=torch.long, device=device)
         self._work: dist.Work | None = None
+        self._bound: list[torch.Tensor] = []
         self.post()
+
+    @torch.no_grad()
+    def bind(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """Receive straight into the engine's weights: each parameter becomes a view of its bucket's receive
+        buffer (values kept), so a broadcast overwrites the weights in place with no copy after arrival."""
+        self._bound = []
+        for bucket, size in zip(self.buckets, self._sizes):
+            flat = torch.empty(size, dtype=self.dtype, device=self._buf.device)
+            off = 0
+            for i in bucket:
+                name, shape = self.names_and_shapes[i]
+                p = params[name]
+                if p.dtype != self.dtype or tuple(p.shape) != tuple(shape):
+                    raise ValueError(f"weight sync: {name} is {p.dtype} {tuple(p.shape)}, the stream carries "
+                                     f"{self.dtype} {tuple(shape)}")
+                n = p.numel()
+                flat[off:off + n].copy_(p.reshape(-1))
+                p.data = flat[off:off + n].view(shape)
+                off += n
+            self._bound.append(flat)
+        self._buf = torch.empty(0, dtype=self.dtype, device=self._buf.device)  # no longer needed
 
     def post(self) -> None:
         """Start waiting (asynchronously) for the next header."""
@@ -141,18 +164,21 @@ class WeightReceiver:
         return kind, version
 
     @torch.no_grad()
-    def receive(self, load: Loader) -> tuple[int, int]:
-        """After `pending()` (or to block): receive a whole update into `load`; returns (kind, version).
+    def receive(self, load: Loader | None = None) -> tuple[int, int]:
+        """After `pending()` (or to block): receive a whole update; returns (kind, version).
 
+        Each bucket lands in the bound parameters (see `bind`) or in a scratch buffer handed to `load`.
         On an update the next header is posted again; after a stop nothing more is posted.
         """
         kind, version = self.wait_header()
         if kind == STOP:
             self._work = None
             return kind, version
-        for bucket, size in zip(self.buckets, self._sizes):
-            buf = self._buf[:size]
+        for b, (bucket, size) in enumerate(zip(self.buckets, self._sizes)):
+            buf = self._bound[b] if self._bound else self._buf[:size]
             dist.broadcast(buf, self.src, group=self.group)
+            if load is None:
+                continue
             views, off = [], 0
             for i in bucket:
                 name, shape = self.names_and_shapes[i]
@@ -163,12 +189,3 @@ class WeightReceiver:
         self.post()
         return kind, version
 
-
-def copy_into(params: dict[str, torch.Tensor]) -> Loader:
-    """A loader that copies received tensors into existing parameters (the reference engine)."""
-
-    def load(views: list[tuple[str, torch.Tensor]]) -> None:
-        for name, t in views:
-            params[name].copy_(t)
-
-    return load

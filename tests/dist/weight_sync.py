@@ -11,7 +11,7 @@ import torch.distributed as dist
 from pipelinerl_fsdp.config import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.parallelize import apply_fsdp
-from pipelinerl_fsdp.transport.weights import STOP, UPDATE, WeightReceiver, WeightSender, copy_into
+from pipelinerl_fsdp.transport.weights import STOP, UPDATE, WeightReceiver, WeightSender
 from pipelinerl_fsdp.world import init_world
 
 ARGS = flavour_args("debug", vocab_size=50, tie_word_embeddings=True)
@@ -48,14 +48,17 @@ def main() -> None:
         params = dict(local.named_parameters())
         rx = WeightReceiver([(n, p.shape) for n, p in params.items()], world.weight_group, world.trainer_ranks[0],
                             torch.float32, torch.device("cpu"), bucket)
+        before = {n: p.detach().clone() for n, p in params.items()}
+        rx.bind(params)  # the production path: broadcasts land straight in the parameters
+        assert all(torch.equal(before[n], p) for n, p in params.items())  # binding keeps the values
         for version in (1, 2):
-            kind, got = rx.receive(copy_into(params))
+            kind, got = rx.receive()
             assert (kind, got) == (UPDATE, version)
             want = expected_weights(version)
             for n, p in params.items():
                 assert torch.equal(p, want[n]), f"{n} differs after update {version}"
             assert local.lm_head.weight is local.model.embed_tokens.weight
-        kind, _ = rx.receive(copy_into(params))
+        kind, _ = rx.receive()
         assert kind == STOP
         print("WEIGHT_SYNC_OK", flush=True)
     dist.barrier()
