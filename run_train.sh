@@ -2,11 +2,11 @@
 # Set up the environment (first run only) and launch one torchrun job.
 #   bash run_train.sh [--config NAME_OR_PATH] [--section.key=value ...]
 # Environment: NPROC_PER_NODE (default 2: the default config has 1 inference + 1 trainer rank), NNODES (1), NODE_RANK (0), RDZV_ENDPOINT (host:port, multi-node),
-# RDZV_ID, EXTRAS (pip extras for setup, default "test"), SKIP_SETUP=1 to use the current Python as is.
+# RDZV_ID, EXTRAS (pip extras for setup, default "test,cpu"; "test,gpu" on CUDA machines), SKIP_SETUP=1 to use the current Python as is.
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "${SKIP_SETUP:-0}" != 1 ]; then
-  bash scripts/setup_env.sh "${EXTRAS:-test}"
+  bash scripts/setup_env.sh "${EXTRAS:-test,cpu}"
   PY=.venv/bin/python
 else
   PY="${PYTHON:-python3}"

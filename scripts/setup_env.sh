@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Create (or reuse) the project's virtual environment: scripts/setup_env.sh [EXTRAS]   (default: test)
+# Create (or reuse) the project's virtual environment: scripts/setup_env.sh [EXTRAS]   (default: test,cpu)
 # A second run with the same pyproject.toml and extras installs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
-EXTRAS="${1:-test}"
+EXTRAS="${1:-test,cpu}"
 PYTHON="${PYTHON:-python3}"
 stamp="$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)-${EXTRAS}"
 if [ -f "$VENV/.installed" ] && [ "$(cat "$VENV/.installed")" = "$stamp" ]; then

@@ -2,7 +2,7 @@
 # SLURM wrapper: one torchrun agent per node, joined by a c10d rendezvous on the first node.
 #   sbatch --nodes 16 --ntasks-per-node 1 --gpus-per-node 8 scripts/slurm_train.sh --config math.toml
 # GPUS_PER_NODE (default 8) sets the processes per node; the repository must be on a shared file system and its
-# .venv set up once beforehand (EXTRAS=gpu bash scripts/setup_env.sh gpu).
+# .venv set up once beforehand (bash scripts/setup_env.sh test,gpu).
 #SBATCH --job-name=pipelinerl
 #SBATCH --ntasks-per-node=1
 #SBATCH --output=slurm-%j.out

