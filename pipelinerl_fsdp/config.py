@@ -134,6 +134,8 @@ class RLConfig:
     max_lag: int = 8
     # push weights to the engines every sync_every optimizer steps
     sync_every: int = 1
+    # held-out greedy exact-match every eval_every steps and at the end (0: never), logged as eval_accuracy
+    eval_every: int = 50
 
 
 @dataclass
@@ -216,6 +218,7 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("rl", "max_lag"): (lambda v: v >= 0, ">= 0"),
     ("rl", "kl_coef"): (lambda v: v >= 0, ">= 0"),
     ("rl", "sync_every"): (lambda v: v >= 1, ">= 1"),
+    ("rl", "eval_every"): (lambda v: v >= 0, ">= 0"),
     ("world", "timeout_s"): (lambda v: v >= 10, ">= 10 seconds"),
     ("world", "inference_ranks"): (lambda v: v >= 0, ">= 0"),
     ("world", "weight_bucket_mb"): (lambda v: v >= 1, ">= 1"),

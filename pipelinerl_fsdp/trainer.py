@@ -18,6 +18,7 @@ import torch.distributed as dist
 from pipelinerl_fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
 from pipelinerl_fsdp.faults import maybe_fail
+from pipelinerl_fsdp.evaluation import greedy_accuracy
 from pipelinerl_fsdp.metrics import MetricsLogger
 from pipelinerl_fsdp.models import load_hf_model, save_hf_folder
 from pipelinerl_fsdp.optim import build_optimizer
@@ -30,6 +31,7 @@ from pipelinerl_fsdp.tokenizer import load_tokenizer
 from pipelinerl_fsdp.train_step import add_reference_logprobs, clip_and_step, forward_backward, sum_over_ranks
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, Sample
 from pipelinerl_fsdp.transport.weights import WeightSender
+from pipelinerl_fsdp.warmstart import task_from_config
 from pipelinerl_fsdp.world import World
 
 
@@ -145,6 +147,16 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
         if world.is_main else None
     logger = MetricsLogger(Path(cfg.job.output_dir) / "rl", cfg.metrics.tensorboard, world.is_main)
     settings = LossSettings(kind=rl.loss, is_clip=rl.is_clip, ppo_eps=rl.ppo_eps, kl_coef=rl.kl_coef)
+    tokenizer, task = load_tokenizer(model_path), task_from_config(cfg)
+    eval_model = load_hf_model(model_path, device) if rl.eval_every else None
+
+    def evaluate() -> float:
+        """Held-out greedy accuracy of the current policy (collective: gather, then split the problems)."""
+        assert eval_model is not None
+        eval_model.load_state_dict(full_state_dict(model))
+        return greedy_accuracy(eval_model, task, tokenizer, cfg.task.max_new_tokens, cfg.tokenizer.use_chat_template,
+                               world.trainer_rank, n_ranks, group)
+
     version = start_step = 0
     ckpt_dir = checkpoint_folder(cfg)
     if cfg.checkpoint.resume:
@@ -194,6 +206,8 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
         keys = ["sum_w", "sum_w2", "tokens", "entropy", "clipped", "kl"]
         sums = dict(zip(keys, sum_over_ranks([stats.get(k, 0.0) for k in keys], group, device)))
         t_end = time.perf_counter()
+        last = step + 1 == rl.max_steps
+        accuracy = evaluate() if rl.eval_every and ((step + 1) % rl.eval_every == 0 or last) else None
         if collector is not None:
             samples = batch.samples
             lags = [version - 1 - v for s in samples for v in s.versions]
@@ -225,8 +239,10 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
                 "queue_size": collector.receiver.qsize() + len(collector.buffer),
                 "dropped_stale": collector.dropped_total,
             }
+            if accuracy is not None:
+                values["eval_accuracy"] = accuracy
             prev_engine = eng
-            logger.log(step + 1, values, console=(step + 1) % cfg.metrics.log_every == 0 or step == 0)
+            logger.log(step + 1, values, console=(step + 1) % cfg.metrics.log_every == 0 or step == 0 or last)
         t_prev = t_end
         if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0:
             meta = {"version": version, "dropped_stale": collector.dropped_total if collector else 0,

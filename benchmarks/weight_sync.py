@@ -1,0 +1,119 @@
+"""Weight-update cost against model size, next to a plain copy of the same bytes over the same link.
+
+Run (2 processes: rank 0 = FSDP2 trainer, rank 1 = engine; gloo on CPU, NCCL on GPU):
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/weight_sync.py \
+        --flavours debug,small --repeats 5 --out benchmarks/results/weight_sync.json
+
+For each model: `gather` (DTensor full_tensor on the trainer), `push` (sender: whole update), `pause` (receiver:
+header seen -> last bucket written into the engine's parameters; what an engine stalls for), and two baselines:
+`plain_bcast` (one broadcast of a flat tensor of the same bytes on the same group) and `memcpy` (a local copy).
+The DESIGN target: pause within 1.5x of plain_bcast. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipelinerl_fsdp.config import load_config
+from pipelinerl_fsdp.models import build_model, flavour_args
+from pipelinerl_fsdp.parallelize import apply_fsdp
+from pipelinerl_fsdp.transport.weights import WeightReceiver, WeightSender
+from pipelinerl_fsdp.world import init_world
+
+
+def median_ms(xs: list[float]) -> float:
+    return 1000 * statistics.median(xs)
+
+
+def bench(flavour: str, repeats: int, world, bucket_mb: int) -> dict | None:
+    args = flavour_args(flavour, vocab_size=32768 if flavour == "small" else 64)
+    dtype = torch.float32
+    dev = world.device
+    model = build_model(args, device=dev, dtype=dtype, seed=0)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    group, src = world.weight_group, world.trainer_ranks[0]
+    res: dict[str, list[float]] = {"gather": [], "push": [], "pause": [], "plain_bcast": [], "memcpy": []}
+    if world.is_trainer:
+        apply_fsdp(model, world.trainer_mesh, dtype, dtype)
+        sender = WeightSender(model, group, src, world.is_main, dtype, dev, bucket_mb * 1024**2)
+        flat = torch.randn(nbytes // 4, device=dev)
+        for v in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            stats = sender.push(v + 1)
+            if v:  # the first round warms up
+                res["push"].append(time.perf_counter() - t0)
+                res["gather"].append(stats.gather_s)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.broadcast(flat, src, group=group)
+            if v:
+                res["plain_bcast"].append(time.perf_counter() - t0)
+        sender.stop()
+    else:
+        params = dict(model.named_parameters())
+        rx = WeightReceiver([(n, p.shape) for n, p in params.items()], group, src, dtype, dev, bucket_mb * 1024**2)
+        rx.bind(params)
+        flat = torch.empty(nbytes // 4, device=dev)
+        other = torch.empty_like(flat)
+        for v in range(repeats + 1):
+            dist.barrier()
+            while not rx.pending():  # what the engine does between decode steps
+                time.sleep(0.0002)
+            t0 = time.perf_counter()
+            rx.receive()
+            if v:
+                res["pause"].append(time.perf_counter() - t0)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.broadcast(flat, src, group=group)
+            if v:
+                res["plain_bcast"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            other.copy_(flat)
+            if v:
+                res["memcpy"].append(time.perf_counter() - t0)
+        rx.receive()  # the stop
+    # Combine: the trainer knows gather/push, the engine pause/memcpy; both measured plain_bcast.
+    mine = torch.tensor([median_ms(res[k]) if res[k] else 0.0 for k in res], dtype=torch.float64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    row = dict(zip([f"{k}_ms" for k in res], mine.tolist()))
+    row.update(flavour=flavour, params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+               mbytes=round(nbytes / 1e6, 1), pause_over_plain=row["pause_ms"] / max(row["plain_bcast_ms"], 1e-9),
+               pause_mb_per_s=nbytes / 1e6 / max(row["pause_ms"] / 1000, 1e-9))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--flavours", default="debug,small")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--bucket-mb", type=int, default=64)
+    ap.add_argument("--out", default="benchmarks/results/weight_sync.json")
+    a = ap.parse_args()
+    world = init_world(load_config(["--world.inference_ranks=1", "--job.threads_per_rank=1"]))
+    rows = [bench(f, a.repeats, world, a.bucket_mb) for f in a.flavours.split(",")]
+    if world.rank == 0:
+        cols = ["flavour", "params_m", "mbytes", "gather_ms", "push_ms", "pause_ms", "plain_bcast_ms", "memcpy_ms",
+                "pause_over_plain", "pause_mb_per_s"]
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in rows:
+            print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"device": str(world.device), "backend": world.backend,
+                                   "bucket_mb": a.bucket_mb, "rows": rows}, indent=2))
+        print(f"wrote {out}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
