@@ -71,6 +71,10 @@ class WeightSender:
         self.group, self.src, self.is_src, self.dtype, self.device = group, src, is_src, dtype, device
         sizes = [(n, p.numel()) for n, p in self.params]
         self.buckets = layer_buckets(sizes, torch.tensor([], dtype=dtype).element_size(), bucket_bytes)
+        # Persistent send buffers: a fresh multi-100-MB tensor per push cost more (allocation, page faults)
+        # than the broadcast itself (measured: benchmarks/weight_sync.py).
+        self._flat = [torch.empty(sum(sizes[i][1] for i in b), dtype=dtype, device=device) for b in self.buckets] \
+            if is_src else []
 
     def _header(self, kind: int, version: int) -> None:
         if self.is_src:
@@ -79,10 +83,12 @@ class WeightSender:
 
     @torch.no_grad()
     def push(self, version: int) -> PushStats:
-        """Gather and broadcast all weights tagged with `version`."""
-        self._header(UPDATE, version)
+        """Gather and broadcast all weights tagged with `version`.
+
+        The header goes out only once the first bucket is gathered, so engines pause for the transfer, not for
+        the trainers' all-gathers of that bucket."""
         nbytes, t_gather, t_bcast = 0, 0.0, 0.0
-        for bucket in self.buckets:
+        for b, bucket in enumerate(self.buckets):
             t0 = time.perf_counter()
             full = []
             for i in bucket:
@@ -90,8 +96,13 @@ class WeightSender:
                 full.append((p.full_tensor() if isinstance(p, DTensor) else p).detach())
             t1 = time.perf_counter()
             t_gather += t1 - t0
+            if b == 0:
+                self._header(UPDATE, version)
             if self.is_src:
-                flat = torch.cat([t.reshape(-1).to(self.device, self.dtype) for t in full])
+                flat, off = self._flat[b], 0
+                for t in full:
+                    flat[off:off + t.numel()].copy_(t.reshape(-1))
+                    off += t.numel()
                 dist.broadcast(flat, self.src, group=self.group)
                 nbytes += flat.numel() * flat.element_size()
                 t_bcast += time.perf_counter() - t1
