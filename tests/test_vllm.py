@@ -28,3 +28,11 @@ def test_vllm_logprobs_equal_our_decoder(default_warmstart):
     assert m, r.stdout[-2000:]
     assert int(m.group(2)) >= 8
     assert float(m.group(1)) < 1e-4
+
+
+def test_vllm_in_flight_update_keeps_kv_and_tags_versions(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "dist" / "vllm_inflight.py"), str(tmp_path)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "VLLM_INFLIGHT_OK" in r.stdout

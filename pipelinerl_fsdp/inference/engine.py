@@ -115,6 +115,13 @@ class ReferenceEngine:
             self.free_slots.append(r.slot)
         return done
 
+    @torch.no_grad()
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the weights (the job's weight receiver writes in place instead)."""
+        params = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
+        for name, t in named:
+            params[name].copy_(t)
+
     def set_version(self, version: int) -> None:
         """Call after loading new weights into `self.params`; later tokens carry this version."""
         self.version = version
