@@ -90,7 +90,13 @@ class Collector:
     def next_batch(self, version: int, timeout_s: float) -> Batch:
         rl = self.cfg.rl
         t0 = time.perf_counter()
-        dropped = 0
+
+        def fresh(s: Sample) -> bool:
+            return version - min(s.versions, default=version) <= rl.max_lag
+
+        kept = [s for s in self.buffer if fresh(s)]  # leftovers of earlier steps may have aged past max_lag
+        dropped = len(self.buffer) - len(kept)
+        self.buffer = kept
         while len(self.buffer) < rl.batch_size:
             got = self.receiver.get(timeout=1.0)
             if got is None:
@@ -109,10 +115,10 @@ class Collector:
                 self.filtered_total += len(group)
                 continue
             for s in group:
-                if version - min(s.versions, default=version) > rl.max_lag:
-                    dropped += 1
-                else:
+                if fresh(s):
                     self.buffer.append(s)
+                else:
+                    dropped += 1
         batch, self.buffer = self.buffer[:rl.batch_size], self.buffer[rl.batch_size:]
         self.dropped_total += dropped
         return Batch(batch, dropped, time.perf_counter() - t0)
@@ -238,6 +244,7 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
                 "wait_for_data_s": batch.wait_s,
                 "queue_size": collector.receiver.qsize() + len(collector.buffer),
                 "dropped_stale": collector.dropped_total,
+                "filtered_zero_adv": collector.filtered_total,
             }
             if accuracy is not None:
                 values["eval_accuracy"] = accuracy

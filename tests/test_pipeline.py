@@ -60,7 +60,7 @@ def test_default_pipeline_learns(default_warmstart, tmp_path):
 
 
 @pytest.mark.parametrize("nproc, n_inf, extra", [(2, 1, ()), (3, 1, ("--inference.recompute_kv_on_update=true",)),
-                                                (4, 2, ())])
+                                                (4, 2, ("--rl.filter_zero_advantage=true",))])
 def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc, n_inf, extra):
     r = short_run(nproc, n_inf, warm_folder, tmp_path, "--rl.eval_every=6", *extra)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
