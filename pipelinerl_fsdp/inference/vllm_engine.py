@@ -23,7 +23,8 @@ from pipelinerl_fsdp.inference.engine import Request
 
 class VLLMEngine:
     def __init__(self, model_path: str | Path, max_num_seqs: int, max_len: int, temperature: float,
-                 top_p: float = 1.0, seed: int = 0, dtype: str = "float32", enforce_eager: bool = True) -> None:
+                 top_p: float = 1.0, seed: int = 0, dtype: str = "float32", enforce_eager: bool = True,
+                 ignore_eos: bool = False) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         from vllm import LLM, SamplingParams
@@ -34,13 +35,13 @@ class VLLMEngine:
         self.llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_len, max_num_seqs=max_num_seqs,
                        seed=seed, enforce_eager=enforce_eager, logprobs_mode="processed_logprobs")
         self.core = self.llm.llm_engine
-        self.temperature, self.top_p, self.seed = temperature, top_p, seed
+        self.temperature, self.top_p, self.seed, self.ignore_eos = temperature, top_p, seed, ignore_eos
         self.version = 0
         self.requests: dict[str, Request] = {}
 
     def add(self, request: Request) -> None:
         params = self._sampling_params(temperature=self.temperature, top_p=self.top_p,
-                                       max_tokens=request.max_tokens, logprobs=0,
+                                       max_tokens=request.max_tokens, logprobs=0, ignore_eos=self.ignore_eos,
                                        seed=self.seed * 1_000_003 + request.request_id)
         rid = str(request.request_id)
         self.core.add_request(rid, {"prompt_token_ids": list(request.prompt_ids)}, params)
