@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,6 @@ class Sample:
     reward: float
     advantage: float = 0.0
     finished: bool = True  # stopped on EOS (False: cut at max_tokens)
-    extras: dict[str, float] = field(default_factory=dict)  # not transported; per-process bookkeeping
 
 
 def encode_samples(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
