@@ -1,4 +1,5 @@
-"""Reference log-probs for in-flight updates, computed directly with our decoder (shared by engine tests)."""
+"""Shared by the engine tests: driving an engine through an in-flight update, and reference log-probs computed
+directly with our decoder."""
 
 from __future__ import annotations
 
@@ -34,3 +35,21 @@ def full_logprobs(model: Transformer, prompt: list[int], tokens: list[int], temp
     with torch.no_grad():
         lp, _ = model(seq[:, :-1], targets=seq[:, 1:], temperature=temperature)
     return lp[0, len(prompt) - 1:]
+
+
+def run_to_end(engine, reqs, update_after: int | None = None, new_model: Transformer | None = None,
+               recompute: bool = False) -> None:
+    """Add `reqs` and step `engine` until all finish; before step number `update_after` load `new_model`'s
+    weights as version 1 (optionally recomputing the KV cache). Works for any engine with the common interface."""
+    for r in reqs:
+        engine.add(r)
+    steps = 0
+    while engine.num_unfinished():
+        if steps == update_after:
+            assert new_model is not None
+            engine.load_weights(list(new_model.state_dict().items()))
+            engine.set_version(1)
+            if recompute:
+                engine.recompute_kv()
+        engine.step()
+        steps += 1

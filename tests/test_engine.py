@@ -4,27 +4,13 @@ import copy
 
 import torch
 
+from kv_reference import full_logprobs, logprobs_old_kv_then_new, run_to_end
 from pipelinerl_fsdp.inference.engine import ReferenceEngine, Request
 from pipelinerl_fsdp.inference.generate import generate
-from kv_reference import full_logprobs, logprobs_old_kv_then_new
 from pipelinerl_fsdp.models import build_model, flavour_args
 
 ARGS = flavour_args("debug", vocab_size=40)
 T = 0.8
-
-
-def run_to_end(engine, reqs, update_after=None, new_model=None, recompute=False):
-    for r in reqs:
-        engine.add(r)
-    steps = 0
-    while engine.num_unfinished():
-        if steps == update_after:
-            engine.load_weights(list(new_model.state_dict().items()))
-            engine.set_version(1)
-            if recompute:
-                engine.recompute_kv()
-        engine.step()
-        steps += 1
 
 
 def test_continuous_batching_equals_isolated_generation():

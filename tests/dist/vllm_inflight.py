@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (kv_reference)
 
 import torch  # noqa: E402
-from kv_reference import full_logprobs, logprobs_old_kv_then_new  # noqa: E402
+from kv_reference import full_logprobs, logprobs_old_kv_then_new, run_to_end  # noqa: E402
 
 from pipelinerl_fsdp.inference.engine import Request  # noqa: E402
 from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine  # noqa: E402
@@ -35,15 +35,7 @@ def main() -> None:
     engine = VLLMEngine(work / "old", max_num_seqs=8, max_len=64, temperature=T, seed=0)
     prompts = [[3, 4, 5, 13], [6, 7, 8, 9, 13], [10, 13]]
     reqs = [Request(i, p, MAX_TOKENS) for i, p in enumerate(prompts)]
-    for r in reqs:
-        engine.add(r)
-    steps = 0
-    while engine.num_unfinished():
-        if steps == UPDATE_AFTER:
-            engine.load_weights(list(new.state_dict().items()))
-            engine.set_version(1)
-        engine.step()
-        steps += 1
+    run_to_end(engine, reqs, update_after=UPDATE_AFTER, new_model=new)
     worst_before = worst_after = 0.0
     min_gap = float("inf")
     for r, p in zip(reqs, prompts):
