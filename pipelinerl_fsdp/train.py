@@ -29,7 +29,7 @@ def run_rl(cfg: Config, world: World) -> None:
             run_warmstart(cfg, world)
             torch.set_num_threads(threads)
         path = cfg.warmstart.path
-    dist.barrier()  # inference ranks wait for the warm-start folder
+    dist.barrier(group=world.control_group)  # inference ranks wait for the warm-start folder
     bucket = cfg.world.weight_bucket_mb * 1024**2
     if world.is_trainer:
         run_trainer(cfg, world, path, bucket)

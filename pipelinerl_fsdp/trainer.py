@@ -20,6 +20,7 @@ from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
 from pipelinerl_fsdp.faults import maybe_fail
 from pipelinerl_fsdp.evaluation import greedy_accuracy
 from pipelinerl_fsdp.metrics import MetricsLogger
+from pipelinerl_fsdp.inference.placement import engine_dtype
 from pipelinerl_fsdp.models import load_hf_model, save_hf_folder
 from pipelinerl_fsdp.optim import build_optimizer
 from pipelinerl_fsdp.parallelize import DTYPES, apply_fsdp, full_state_dict, resolve_param_dtype
@@ -30,6 +31,7 @@ from pipelinerl_fsdp.rl.packing import collate_packed, pack_into_bins
 from pipelinerl_fsdp.tokenizer import load_tokenizer
 from pipelinerl_fsdp.train_step import add_reference_logprobs, clip_and_step, forward_backward, sum_over_ranks
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, Sample
+from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import WeightSender
 from pipelinerl_fsdp.warmstart import task_from_config
 from pipelinerl_fsdp.world import World
@@ -135,7 +137,7 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
     device, group = world.device, world.trainer_group
     n_ranks = len(world.trainer_ranks)
     model = load_hf_model(model_path, device)
-    engine_dtype = next(model.parameters()).dtype
+    sync_dtype = engine_dtype(cfg, device)
     param_dtype = resolve_param_dtype(tr.param_dtype, device)
     apply_fsdp(model, world.trainer_mesh, param_dtype, DTYPES[tr.reduce_dtype])
     ref_model = None
@@ -144,8 +146,13 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
         apply_fsdp(ref_model, world.trainer_mesh, param_dtype, DTYPES[tr.reduce_dtype])
     optimizer, scheduler = build_optimizer(model.parameters(), tr.lr, tr.betas, tr.eps, tr.weight_decay,
                                            tr.warmup_steps, rl.max_steps, tr.lr_schedule, tr.min_lr_ratio)
-    sender = WeightSender(model, world.weight_group, world.trainer_ranks[0], world.is_main, engine_dtype,
-                          device, bucket_bytes)
+    bucket_group = None
+    if world.is_main and cfg.inference.engine == "vllm":  # the vLLM workers receive the buckets themselves
+        bucket_group = join_store_group(*store_address(), "vllm_weights", 0,
+                                        1 + len(world.inference_ranks) * cfg.inference.tensor_parallel_size,
+                                        world.backend, device, cfg.world.timeout_s)
+    sender = WeightSender(model, world.weight_group, world.trainer_ranks[0], world.is_main, sync_dtype,
+                          device, bucket_bytes, bucket_group)
     # The receive queue holds one step's worth of groups: together with the engines' small send queues this
     # bounds how far generation can run ahead of training (and so the lag).
     queue_groups = max(1, rl.batch_size // rl.attempts)

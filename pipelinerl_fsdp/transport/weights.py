@@ -7,6 +7,10 @@ Protocol on the weight group (source = the first trainer rank):
   `named_parameters()` order (identical on both sides: the same model definition).
 The receiver posts the header broadcast asynchronously and polls it between decode steps, so an engine never
 blocks waiting for weights; once a header has arrived it receives the buckets and hands each one to a loader.
+
+With vLLM engines the buckets travel on a second group (`bucket_group`, built on the job's TCPStore, see
+`transport/store_group.py`) whose members are the first trainer rank (rank 0 there) and the vLLM workers
+themselves, so the weights land in the worker that loads them, with no hop through the inference rank's process.
 """
 
 from __future__ import annotations
@@ -49,6 +53,36 @@ def layer_buckets(names_and_numel: list[tuple[str, int]], element_size: int, buc
     return buckets
 
 
+class BucketLayout:
+    """Which parameters travel in which flat bucket, and their views into a received bucket."""
+
+    def __init__(self, names_and_shapes: list[tuple[str, torch.Size]], dtype: torch.dtype, bucket_bytes: int) -> None:
+        self.names_and_shapes = [(n, torch.Size(s)) for n, s in names_and_shapes]
+        self.dtype = dtype
+        sizes = [(n, int(s.numel())) for n, s in self.names_and_shapes]
+        self.buckets = layer_buckets(sizes, torch.tensor([], dtype=dtype).element_size(), bucket_bytes)
+        self.sizes = [sum(sizes[i][1] for i in b) for b in self.buckets]
+
+    def views(self, b: int, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """(name, view) of every parameter of bucket `b` inside its flat buffer."""
+        out, off = [], 0
+        for i in self.buckets[b]:
+            name, shape = self.names_and_shapes[i]
+            n = int(shape.numel())
+            out.append((name, flat[off:off + n].view(shape)))
+            off += n
+        return out
+
+
+def broadcast_bucket(flat: torch.Tensor, group: dist.ProcessGroup | None, src: int, raw: bool) -> None:
+    """Broadcast one bucket; `raw`: `group` is a store-built group outside the default world (source = its rank 0)."""
+    if raw:
+        assert group is not None
+        group.broadcast([flat], dist.BroadcastOptions()).wait()  # default root rank 0
+    else:
+        dist.broadcast(flat, src, group=group)
+
+
 @dataclass
 class PushStats:
     version: int
@@ -65,10 +99,13 @@ class WeightSender:
     """On every trainer rank (the gather is collective); only `src` broadcasts."""
 
     def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, src: int, is_src: bool,
-                 dtype: torch.dtype, device: torch.device, bucket_bytes: int = 64 * 1024**2) -> None:
-        """`device`: where the broadcast buffers live (CPU for gloo, the rank's GPU for NCCL)."""
+                 dtype: torch.dtype, device: torch.device, bucket_bytes: int = 64 * 1024**2,
+                 bucket_group: dist.ProcessGroup | None = None) -> None:
+        """`device`: where the broadcast buffers live (CPU for gloo, the rank's GPU for NCCL).
+        `bucket_group`: a store-built group for the buckets (vLLM workers); None: the buckets follow the header."""
         self.params = list(model.named_parameters())
         self.group, self.src, self.is_src, self.dtype, self.device = group, src, is_src, dtype, device
+        self.bucket_group = bucket_group
         sizes = [(n, p.numel()) for n, p in self.params]
         self.buckets = layer_buckets(sizes, torch.tensor([], dtype=dtype).element_size(), bucket_bytes)
         # Persistent send buffers: a fresh multi-100-MB tensor per push cost more (allocation, page faults)
@@ -103,7 +140,10 @@ class WeightSender:
                 for t in full:
                     flat[off:off + t.numel()].copy_(t.reshape(-1))
                     off += t.numel()
-                dist.broadcast(flat, self.src, group=self.group)
+                if self.bucket_group is not None:
+                    broadcast_bucket(flat, self.bucket_group, 0, raw=True)
+                else:
+                    broadcast_bucket(flat, self.group, self.src, raw=False)
                 nbytes += flat.numel() * flat.element_size()
                 t_bcast += time.perf_counter() - t1
         return PushStats(version, nbytes, t_gather, t_bcast)
@@ -122,13 +162,9 @@ class WeightReceiver:
 
     def __init__(self, names_and_shapes: list[tuple[str, torch.Size]], group: dist.ProcessGroup, src: int,
                  dtype: torch.dtype, device: torch.device, bucket_bytes: int = 64 * 1024**2) -> None:
-        self.names_and_shapes = names_and_shapes
-        self.group, self.src, self.dtype = group, src, dtype
-        sizes = [(n, int(torch.Size(s).numel())) for n, s in names_and_shapes]
-        self.buckets = layer_buckets(sizes, torch.tensor([], dtype=dtype).element_size(), bucket_bytes)
-        self._sizes = [sum(sizes[i][1] for i in b) for b in self.buckets]
-        self.dtype = dtype
-        self._buf = torch.empty(max(self._sizes), dtype=dtype, device=device)
+        self.layout = BucketLayout(names_and_shapes, dtype, bucket_bytes)
+        self.group, self.src, self.dtype, self.device = group, src, dtype, device
+        self._buf: torch.Tensor | None = None  # scratch bucket for `receive(load)`, made on first use
         self._header = torch.zeros(3, dtype=torch.long, device=device)
         self._work: dist.Work | None = None
         self._bound: list[torch.Tensor] = []
@@ -139,21 +175,16 @@ class WeightReceiver:
         """Receive straight into the engine's weights: each parameter becomes a view of its bucket's receive
         buffer (values kept), so a broadcast overwrites the weights in place with no copy after arrival."""
         self._bound = []
-        for bucket, size in zip(self.buckets, self._sizes):
-            flat = torch.empty(size, dtype=self.dtype, device=self._buf.device)
-            off = 0
-            for i in bucket:
-                name, shape = self.names_and_shapes[i]
+        for b, size in enumerate(self.layout.sizes):
+            flat = torch.empty(size, dtype=self.dtype, device=self.device)
+            for name, view in self.layout.views(b, flat):
                 p = params[name]
-                if p.dtype != self.dtype or tuple(p.shape) != tuple(shape):
+                if p.dtype != self.dtype or p.shape != view.shape:
                     raise ValueError(f"weight sync: {name} is {p.dtype} {tuple(p.shape)}, the stream carries "
-                                     f"{self.dtype} {tuple(shape)}")
-                n = p.numel()
-                flat[off:off + n].copy_(p.reshape(-1))
-                p.data = flat[off:off + n].view(shape)
-                off += n
+                                     f"{self.dtype} {tuple(view.shape)}")
+                view.copy_(p)
+                p.data = view
             self._bound.append(flat)
-        self._buf = torch.empty(0, dtype=self.dtype, device=self._buf.device)  # no longer needed
 
     def post(self) -> None:
         """Start waiting (asynchronously) for the next header."""
@@ -165,12 +196,13 @@ class WeightReceiver:
         return self._work.is_completed()
 
     def wait_header(self) -> tuple[int, int]:
-        """Block until the next header; returns (kind, version)."""
-        assert self._work is not None
+        """Block until the next header; returns (kind, version). Call `post()` after taking an update."""
+        assert self._work is not None, "no header posted (after a stop, nothing more comes)"
         self._work.wait()
+        self._work = None
         kind, version, n = self._header.tolist()
-        if kind == UPDATE and n != len(self.buckets):
-            raise RuntimeError(f"weight sync: sender has {n} buckets, receiver expects {len(self.buckets)}: "
+        if kind == UPDATE and n != len(self.layout.buckets):
+            raise RuntimeError(f"weight sync: sender has {n} buckets, receiver expects {len(self.layout.buckets)}: "
                                "trainer and engine models differ")
         return kind, version
 
@@ -183,20 +215,16 @@ class WeightReceiver:
         """
         kind, version = self.wait_header()
         if kind == STOP:
-            self._work = None
             return kind, version
-        for b, (bucket, size) in enumerate(zip(self.buckets, self._sizes)):
-            buf = self._bound[b] if self._bound else self._buf[:size]
-            dist.broadcast(buf, self.src, group=self.group)
-            if load is None:
-                continue
-            views, off = [], 0
-            for i in bucket:
-                name, shape = self.names_and_shapes[i]
-                n = int(torch.Size(shape).numel())
-                views.append((name, buf[off:off + n].view(shape)))
-                off += n
-            load(views)
+        for b, size in enumerate(self.layout.sizes):
+            if self._bound:
+                buf = self._bound[b]
+            else:
+                if self._buf is None:
+                    self._buf = torch.empty(max(self.layout.sizes), dtype=self.dtype, device=self.device)
+                buf = self._buf[:size]
+            broadcast_bucket(buf, self.group, self.src, raw=False)
+            if load is not None:
+                load(self.layout.views(b, buf))
         self.post()
         return kind, version
-
