@@ -126,7 +126,12 @@ class InferenceConfig:
 
 @dataclass
 class RLConfig:
-    mode: Literal["pipeline"] = "pipeline"
+    # pipeline: in-flight weight updates after every optimizer step (engines never stop);
+    # conventional: engines generate sync_every x batch_size samples with frozen weights, then idle while the
+    #   trainer takes sync_every (= G) steps on them, then the weights are synced (lag <= G - 1);
+    # async: engines keep generating while the trainer trains, but take new weights only between sequences
+    #   (they stop admitting requests, drain, then load: one version per sequence)
+    mode: Literal["pipeline", "conventional", "async"] = "pipeline"
     # attempts per prompt (the group of the baseline)
     attempts: int = 8
     # sequences per optimizer step, all trainer ranks together
@@ -143,7 +148,7 @@ class RLConfig:
     filter_zero_advantage: bool = False
     # samples whose oldest token is more than max_lag versions behind the trainer are dropped (and counted)
     max_lag: int = 8
-    # push weights to the engines every sync_every optimizer steps
+    # push weights to the engines every sync_every optimizer steps (G of the conventional mode)
     sync_every: int = 1
     # held-out greedy exact-match every eval_every steps and at the end (0: never), logged as eval_accuracy
     eval_every: int = 50
@@ -356,6 +361,16 @@ def validate(cfg: Config) -> None:
     if cfg.task.max_terms < cfg.task.min_terms:
         raise ConfigError(f"task.max_terms = {cfg.task.max_terms} must be >= task.min_terms = "
                           f"{cfg.task.min_terms} ({cfg.source})")
+    if cfg.rl.mode == "conventional" and cfg.rl.filter_zero_advantage:
+        raise ConfigError("rl.mode = 'conventional' generates exactly the samples of its sync_every steps, so "
+                          f"rl.filter_zero_advantage = true would leave the trainer short of data ({cfg.source})")
+    if cfg.rl.mode == "conventional" and cfg.rl.batch_size % cfg.rl.attempts:
+        raise ConfigError(f"rl.mode = 'conventional': rl.batch_size = {cfg.rl.batch_size} must be a multiple of "
+                          f"rl.attempts = {cfg.rl.attempts} (whole groups per step) ({cfg.source})")
+    if cfg.rl.mode == "conventional" and cfg.checkpoint.interval % cfg.rl.sync_every:
+        raise ConfigError(f"rl.mode = 'conventional': checkpoint.interval = {cfg.checkpoint.interval} must be a "
+                          f"multiple of rl.sync_every = {cfg.rl.sync_every} (checkpoints between rounds) "
+                          f"({cfg.source})")
     from pipelinerl_fsdp.models.args import FLAVOURS  # local: keep config importable without torch
 
     if not cfg.model.path and cfg.model.flavour not in FLAVOURS:

@@ -185,12 +185,20 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
             print(f"[train] resumed from {path} at step {start_step}, version {version}", flush=True)
     prev_engine = {"gen_tokens": 0.0, "busy_s": 0.0, "elapsed_s": 0.0}
     t_prev = time.perf_counter()
+    round_batches: list[Batch] = []  # conventional mode: the rest of this round's batches
     for step in range(start_step, rl.max_steps):
         maybe_fail(world.rank, step)
         t_step = time.perf_counter()
         info: list[object] = [None, None]
         if collector is not None:
-            batch = collector.next_batch(version, cfg.world.timeout_s)
+            if rl.mode == "conventional":
+                if not round_batches:  # the whole round's samples first (the engines generate them all, then idle)
+                    round_batches = [collector.next_batch(version, cfg.world.timeout_s)
+                                     for _ in range(rl.sync_every)]
+                    round_batches[0].wait_s = sum(b.wait_s for b in round_batches)
+                batch = round_batches.pop(0)
+            else:
+                batch = collector.next_batch(version, cfg.world.timeout_s)
             info = [split_balanced(batch.samples, n_ranks), batch]
         dist.broadcast_object_list(info, src=world.trainer_ranks[0], group=group)
         parts, batch = info
@@ -234,6 +242,8 @@ def run_trainer(cfg: Config, world: World, model_path: str | Path, bucket_bytes:
                 "lag_mean": sum(lags) / max(len(lags), 1),
                 "lag_max": max(lags, default=0),
                 "current_version_frac": sum(1 for x in lags if x == 0) / max(len(lags), 1),
+                # sequences whose tokens come from more than one policy version (in-flight updates)
+                "mixed_version_frac": sum(1 for s in samples if len(set(s.versions)) > 1) / len(samples),
                 "entropy": sums["entropy"] / max(sums["tokens"], 1.0),
                 "is_clipped_frac": sums["clipped"] / max(sums["tokens"], 1.0),
                 "kl": sums["kl"] / max(sums["tokens"], 1.0),

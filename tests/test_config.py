@@ -61,6 +61,12 @@ def test_file_errors_name_the_key(tmp_path, text, pattern):
     (["--config", "does_not_exist"], r"--config does_not_exist: no such file"),
     (["steps=3"], r"expected --section\.key=value"),
     (["--warmstart.steps"], r"has no value"),
+    (["--rl.mode=sync"], r"rl\.mode"),
+    (["--rl.mode=conventional", "--rl.filter_zero_advantage=true"], r"filter_zero_advantage = true would leave"),
+    (["--rl.mode=conventional", "--rl.sync_every=4", "--checkpoint.interval=6"],
+     r"checkpoint\.interval = 6 must be a multiple of rl\.sync_every = 4"),
+    (["--inference.engine=sglang"], r"inference\.engine"),
+    (["--inference.gpu_memory_utilization=1.5"], r"inference\.gpu_memory_utilization = 1\.5 must be in \(0, 1\]"),
 ])
 def test_command_line_errors_name_the_key(args, pattern):
     with pytest.raises(ConfigError, match=pattern):

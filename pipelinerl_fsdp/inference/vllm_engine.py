@@ -208,11 +208,11 @@ class AsyncVLLMEngine:
         finally:
             self._active.pop(rid, None)
 
-    async def _update(self, version: int, recompute: bool) -> None:
+    async def _update(self, version: int, recompute: bool, method: str = "receive_weight_update") -> None:
         # Straight to the core: AsyncLLM.pause_generation adds a fixed 20 ms sleep for output ordering we don't need.
         await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=recompute)
         try:
-            counts = (await self.llm.collective_rpc("receive_weight_update"))[0]
+            counts = (await self.llm.collective_rpc(method))[0]
         finally:
             await self.llm.resume_generation()
         by_id = {internal.rsplit("-", 1)[0]: n for internal, n in counts.items()}  # internal ids: "<ours>-<hex>"
@@ -273,6 +273,18 @@ class AsyncVLLMEngine:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stage_update(self) -> None:
+        """Receive the update whose header just arrived into the workers' buffers without loading it (the RPC runs
+        between two engine steps; generation goes on with the current weights)."""
+        t0 = time.perf_counter()
+        self._call(self.llm.collective_rpc("receive_weight_update", args=(False,)))
+        if self._busy_since is not None:
+            self.pause_s += time.perf_counter() - max(t0, self._busy_since)
+
+    def apply_staged(self, version: int) -> None:
+        """Load the staged update; later tokens carry `version`."""
+        self._call(self._update(version, False, "load_received_weights"))
 
     def close(self) -> None:
         """Stop the engine's processes and the client loop (unfinished requests are dropped)."""

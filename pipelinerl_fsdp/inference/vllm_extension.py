@@ -27,15 +27,19 @@ class WeightUpdateExtension:
         rank = base_rank + int(getattr(self, "rank", 0))
         self._pl_group = join_store_group(host, port, "vllm_weights", rank, size, backend, device, timeout_s)
 
-    def receive_weight_update(self) -> dict[str, int]:
-        """Receive one update and load it; returns, per scheduled request (vLLM's internal id), how many output
-        tokens it had *before* the load: the exact version boundary, since no step runs during this call."""
+    def receive_weight_update(self, load: bool = True) -> dict[str, int]:
+        """Receive one update into the receive buffers and (unless `load` is false: see `load_received_weights`)
+        load it. Returns, per scheduled request (vLLM's internal id), how many output tokens it had *before* the
+        load: the exact version boundary, since no engine step runs during this call."""
+        for flat in self._pl_buffers:
+            broadcast_bucket(flat, self._pl_group, 0, raw=True)
+        return self.load_received_weights() if load else {}
+
+    def load_received_weights(self) -> dict[str, int]:
+        """Load the last received update (per-request token counts before the load, as above)."""
         counts = {rid: sum(1 for t in state.output_token_ids if t >= 0)  # -1: async-scheduling placeholder
                   for rid, state in self.model_runner.requests.items()}
-        named = []
-        for b, flat in enumerate(self._pl_buffers):
-            broadcast_bucket(flat, self._pl_group, 0, raw=True)
-            named.extend(self._pl_layout.views(b, flat))
+        named = [v for b, flat in enumerate(self._pl_buffers) for v in self._pl_layout.views(b, flat)]
         # checkpoint format: HF names and shapes; vLLM fuses q/k/v and gate/up and repacks CPU weights itself.
         self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
         return counts

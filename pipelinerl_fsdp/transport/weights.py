@@ -207,17 +207,17 @@ class WeightReceiver:
         return kind, version
 
     @torch.no_grad()
-    def receive(self, load: Loader | None = None) -> tuple[int, int]:
+    def receive(self, load: Loader | None = None, staged: bool = False) -> tuple[int, int]:
         """After `pending()` (or to block): receive a whole update; returns (kind, version).
 
-        Each bucket lands in the bound parameters (see `bind`) or in a scratch buffer handed to `load`.
-        On an update the next header is posted again; after a stop nothing more is posted.
+        Each bucket lands in the bound parameters (see `bind`) or, with `staged` or when unbound, in a scratch
+        buffer handed to `load`. On an update the next header is posted again; after a stop nothing more is posted.
         """
         kind, version = self.wait_header()
         if kind == STOP:
             return kind, version
         for b, size in enumerate(self.layout.sizes):
-            if self._bound:
+            if self._bound and not staged:
                 buf = self._bound[b]
             else:
                 if self._buf is None:

@@ -1,0 +1,206 @@
+"""Learning speed of the RL modes side by side: PipelineRL vs conventional (G = 1 and larger) vs async.
+
+Every mode runs the same job (`train_configs/arithmetic.toml` unless --config), on the same hardware split
+(--nproc ranks, --inference-ranks of them engines), from the same warm start, with the same seed and samples per
+optimizer step; only `rl.mode` and `rl.sync_every` (G) change. Runs go one after another, not concurrently.
+
+Reports per mode: time to target (first step at which the mean sampled reward over the last --window steps
+reaches --target; the trainer's wall clock, engine start-up excluded) and samples to target, final reward,
+mean ESS, mean / max lag, busy fractions, and `speedup_vs_conventional` = conventional G=1 time / mode time (and
+against the best conventional G). Writes `learning_speed.json`, `learning_speed.md`, `learning_speed.png` (reward
+vs time and vs samples; ESS vs step) under --out; TensorBoard: `tensorboard --logdir OUT/runs` shows one run
+per mode.
+
+  python benchmarks/learning_speed.py --quick          # ~15 min on a 2-core CPU machine
+  python benchmarks/learning_speed.py --task chain_sum # long-tail completion lengths (2..12-term worked sums)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer steps and modes (about 15 min on 2 CPU cores)")
+    p.add_argument("--config", default="arithmetic", help="train_configs/ name or a TOML path")
+    p.add_argument("--task", choices=["addition", "chain_sum"], default="addition")
+    p.add_argument("--modes", default=None,
+                   help="comma list of MODE[:G], e.g. pipeline,conventional:1,conventional:4,async")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
+    p.add_argument("--target", type=float, default=None, help="target mean reward (default: per task)")
+    p.add_argument("--window", type=int, default=10, help="steps in the reward moving average")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--inference-ranks", type=int, default=1)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_speed")
+    p.add_argument("--extra", nargs="*", default=[], help="more --section.key=value overrides for every run")
+    return p.parse_args()
+
+
+TASK_SETTINGS = {
+    # overrides, default target, quick steps, full steps
+    "addition": ([], 0.8, 200, 400),
+    "chain_sum": (["--task.name=chain_sum", "--task.digits=2", "--task.min_terms=2", "--task.max_terms=12",
+                   "--task.max_new_tokens=96", "--warmstart.path=outputs/warmstart/chain_sum-debug",
+                   "--warmstart.steps=1500"], 0.5, 150, 400),
+}
+
+
+def run_job(args: list[str], log: Path, nproc: int) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(ROOT / "run_train.py"), *args]
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if r.returncode != 0:
+        tail = log.read_text()[-4000:]
+        raise SystemExit(f"run failed ({' '.join(cmd)}); log {log}:\n{tail}")
+
+
+def moving_average(xs: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x - (xs[i - window] if i >= window else 0.0)
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def summarise(recs: list[dict], target: float, window: int) -> dict:
+    """Per-mode numbers from its metrics.jsonl records (one per optimizer step)."""
+    steps = [r for r in recs if "reward_mean" in r]
+    smooth = moving_average([r["reward_mean"] for r in steps], window)
+    hit = next((i for i, v in enumerate(smooth) if i + 1 >= window and v >= target), None)
+    tail = steps[-window:]
+
+    def mean(key: str, rows: list[dict] = steps) -> float:
+        return sum(r[key] for r in rows) / len(rows)
+
+    return {
+        "steps": len(steps),
+        "wall_s": steps[-1]["wall_time_s"],
+        "time_to_target_s": steps[hit]["wall_time_s"] if hit is not None else None,
+        "samples_to_target": steps[hit]["samples"] if hit is not None else None,
+        "final_reward": mean("reward_mean", tail),
+        "mean_ess": mean("ess"),
+        "min_ess": min(r["ess"] for r in steps),
+        "mean_lag": mean("lag_mean"),
+        "max_lag": max(r["lag_max"] for r in steps),
+        "mixed_version_frac": mean("mixed_version_frac"),
+        "trainer_busy_frac": mean("trainer_busy_frac"),
+        "inference_busy_frac": mean("inference_busy_frac"),
+        "steps_per_s": len(steps) / max(steps[-1]["wall_time_s"], 1e-9),
+        "curve": {"wall_time_s": [r["wall_time_s"] for r in steps], "samples": [r["samples"] for r in steps],
+                  "reward_mean": [r["reward_mean"] for r in steps], "reward_smooth": smooth,
+                  "ess": [r["ess"] for r in steps], "lag_mean": [r["lag_mean"] for r in steps]},
+    }
+
+
+def speedups(results: dict[str, dict]) -> None:
+    """Add `speedup_vs_conventional` (vs G=1) and `speedup_vs_best_conventional` to every mode in place."""
+    conv = {k: v for k, v in results.items() if k.startswith("conventional") and v["time_to_target_s"]}
+    base = results.get("conventional_G1", {}).get("time_to_target_s")
+    best = min((v["time_to_target_s"] for v in conv.values()), default=None)
+    for v in results.values():
+        t = v["time_to_target_s"]
+        v["speedup_vs_conventional"] = base / t if base and t else None
+        v["speedup_vs_best_conventional"] = best / t if best and t else None
+
+
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def table(results: dict[str, dict], target: float) -> str:
+    head = ("| mode | time to target (s) | samples to target | speedup vs conv G=1 | vs best conv | final reward "
+            "| mean ESS | min ESS | lag mean / max | mixed-version seqs | trainer busy | engine busy | steps/s |")
+    lines = [f"Target: moving-average sampled reward >= {target}.", "", head, "|" + "---|" * 13]
+    for name, v in results.items():
+        lines.append(f"| {name} | {fmt(v['time_to_target_s'], '.1f')} | {fmt(v['samples_to_target'], '.0f')} | "
+                     f"{fmt(v['speedup_vs_conventional'])} | {fmt(v['speedup_vs_best_conventional'])} | "
+                     f"{v['final_reward']:.3f} | {v['mean_ess']:.3f} | {v['min_ess']:.3f} | "
+                     f"{v['mean_lag']:.2f} / {v['max_lag']} | {v['mixed_version_frac']:.2f} | "
+                     f"{v['trainer_busy_frac']:.2f} | {v['inference_busy_frac']:.2f} | {v['steps_per_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict], target: float, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e .[bench]): no plot written", flush=True)
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    for name, v in results.items():
+        c = v["curve"]
+        axes[0].plot(c["wall_time_s"], c["reward_smooth"], label=name)
+        axes[1].plot(c["samples"], c["reward_smooth"], label=name)
+        axes[2].plot(range(1, len(c["ess"]) + 1), c["ess"], label=name, lw=0.8)
+    for ax, xl in zip(axes[:2], ["trainer wall time (s)", "samples"]):
+        ax.axhline(target, color="grey", ls="--", lw=0.8)
+        ax.set_xlabel(xl)
+        ax.set_ylabel("sampled reward (moving average)")
+    axes[2].set_xlabel("optimizer step")
+    axes[2].set_ylabel("ESS")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> None:
+    a = parse_args()
+    overrides, default_target, quick_steps, full_steps = TASK_SETTINGS[a.task]
+    target = a.target if a.target is not None else default_target
+    steps = a.steps or (quick_steps if a.quick else full_steps)
+    modes = a.modes or ("pipeline,conventional:1,conventional:4,async" if a.quick
+                        else "pipeline,conventional:1,conventional:2,conventional:4,conventional:8,async")
+    a.out.mkdir(parents=True, exist_ok=True)
+    common = ["--config", a.config, f"--world.inference_ranks={a.inference_ranks}", f"--rl.max_steps={steps}",
+              "--rl.eval_every=0", "--metrics.log_every=25", *overrides, *a.extra]
+    # The warm start once, shared by every mode (its folder is reused when it exists).
+    t0 = time.time()
+    run_job([*common, "--job.stage=warmstart", f"--job.output_dir={a.out / 'warmstart_run'}"],
+            a.out / "warmstart.log", a.nproc - a.inference_ranks)
+    print(f"warm start ready ({time.time() - t0:.0f} s)", flush=True)
+    results: dict[str, dict] = {}
+    for spec in modes.split(","):
+        mode, _, g = spec.partition(":")
+        g = g or "1"
+        name = f"{mode}_G{g}" if mode == "conventional" else mode
+        out = a.out / "runs" / name
+        t0 = time.time()
+        run_job([*common, f"--rl.mode={mode}", f"--rl.sync_every={g}", f"--job.output_dir={out}"],
+                a.out / f"{name}.log", a.nproc)
+        recs = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+        results[name] = summarise(recs, target, a.window)
+        r = results[name]
+        print(f"{name}: {time.time() - t0:.0f} s in all, time to target {fmt(r['time_to_target_s'], '.1f')} s, "
+              f"final reward {r['final_reward']:.3f}, mean ESS {r['mean_ess']:.3f}", flush=True)
+    speedups(results)
+    md = table(results, target)
+    print(md, flush=True)
+    meta = {"task": a.task, "config": a.config, "steps": steps, "target": target, "window": a.window,
+            "nproc": a.nproc, "inference_ranks": a.inference_ranks, "extra": a.extra, "cpu_count": os.cpu_count()}
+    (a.out / "learning_speed.json").write_text(json.dumps({"settings": meta, "modes": results}, indent=1))
+    (a.out / "learning_speed.md").write_text(md + "\n")
+    if plot(results, target, a.out / "learning_speed.png"):
+        print(f"plot: {a.out / 'learning_speed.png'}", flush=True)
+    print(f"JSON: {a.out / 'learning_speed.json'}; TensorBoard: tensorboard --logdir {a.out / 'runs'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
