@@ -4,7 +4,8 @@ torchrun gives each node's ranks contiguous global ranks, and the job puts train
 node the trainer ranks come first. On GPU every trainer rank uses the GPU of its local rank; the node's vLLM
 engines take the GPUs after those, `tensor_parallel_size` each, in local-rank order. On CPU each rank owns an
 equal slice of the node's cores (the trainers through torch's thread count, the engines by binding vLLM's
-OpenMP threads to their slice).
+OpenMP threads to their slice, counted from the top core down; an oversubscribed node, e.g. tests with more
+ranks than cores, shares cores and says so).
 """
 
 from __future__ import annotations
@@ -41,11 +42,12 @@ def vllm_placement(cfg: Config, world: World) -> VLLMPlacement:
                               f"{torch.cuda.device_count()} ({cfg.source})")
         return VLLMPlacement(cpu_cores=None, gpu_ids=ids)
     n_cpu = os.cpu_count() or 1
-    per = inf.cpu_cores_per_engine or cfg.job.threads_per_rank or max(1, n_cpu // world.local_world_size)
-    first = world.local_rank * per
-    if first + per > n_cpu:
-        raise ConfigError(f"rank {world.rank}: inference.cpu_cores_per_engine = {per} puts its engine on cores "
-                          f"{first}-{first + per - 1}, but the node has {n_cpu} ({cfg.source})")
+    per = min(n_cpu, inf.cpu_cores_per_engine or cfg.job.threads_per_rank or max(1, n_cpu // world.local_world_size))
+    # engines from the top core down (trainers' threads are not bound; they start from the bottom)
+    first = max(0, n_cpu - (world.local_rank - local_trainers + 1) * per)
+    if world.local_world_size * per > n_cpu:
+        print(f"[rank {world.rank}] warning: {world.local_world_size} ranks x {per} core(s) on a {n_cpu}-core node: "
+              f"oversubscribed; this engine shares cores {first}-{first + per - 1}", flush=True)
     tp = inf.tensor_parallel_size
     if per % tp:
         raise ConfigError(f"inference.cpu_cores_per_engine = {per} is not a multiple of "
