@@ -37,6 +37,9 @@ def parse_args() -> argparse.Namespace:
                    help="comma list of MODE[:G], e.g. pipeline,conventional:1,conventional:4,async")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--target", type=float, default=None, help="target mean reward (default: per task)")
+    p.add_argument("--more-targets", default=None,
+                   help="comma list of further targets also reported (default: per task); a single target "
+                        "on a noisy curve says little")
     p.add_argument("--window", type=int, default=10, help="steps in the reward moving average")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--inference-ranks", type=int, default=1)
@@ -46,11 +49,11 @@ def parse_args() -> argparse.Namespace:
 
 
 TASK_SETTINGS = {
-    # overrides, default target, quick steps, full steps
-    "addition": ([], 0.8, 200, 400),
+    # overrides, default target, further targets, quick steps, full steps
+    "addition": ([], 0.8, "0.75,0.83", 200, 400),
     "chain_sum": (["--task.name=chain_sum", "--task.digits=2", "--task.min_terms=2", "--task.max_terms=12",
-                   "--task.max_new_tokens=96", "--warmstart.path=outputs/warmstart/chain_sum-debug",
-                   "--warmstart.steps=1500"], 0.5, 150, 400),
+                   "--task.max_new_tokens=128", "--warmstart.path=outputs/warmstart/chain_sum-debug",
+                   "--warmstart.steps=1500"], 0.5, "0.3,0.4", 150, 400),
 }
 
 
@@ -74,11 +77,17 @@ def moving_average(xs: list[float], window: int) -> list[float]:
     return out
 
 
-def summarise(recs: list[dict], target: float, window: int) -> dict:
+def first_hit(smooth: list[float], target: float, window: int) -> int | None:
+    """Index of the first step whose moving average (over a full window) reaches `target`."""
+    return next((i for i, v in enumerate(smooth) if i + 1 >= window and v >= target), None)
+
+
+def summarise(recs: list[dict], target: float, more_targets: list[float], window: int) -> dict:
     """Per-mode numbers from its metrics.jsonl records (one per optimizer step)."""
     steps = [r for r in recs if "reward_mean" in r]
     smooth = moving_average([r["reward_mean"] for r in steps], window)
-    hit = next((i for i, v in enumerate(smooth) if i + 1 >= window and v >= target), None)
+    hit = first_hit(smooth, target, window)
+    hits = {t: first_hit(smooth, t, window) for t in sorted({target, *more_targets})}
     tail = steps[-window:]
 
     def mean(key: str, rows: list[dict] = steps) -> float:
@@ -89,6 +98,7 @@ def summarise(recs: list[dict], target: float, window: int) -> dict:
         "wall_s": steps[-1]["wall_time_s"],
         "time_to_target_s": steps[hit]["wall_time_s"] if hit is not None else None,
         "samples_to_target": steps[hit]["samples"] if hit is not None else None,
+        "time_to_targets_s": {str(t): steps[i]["wall_time_s"] if i is not None else None for t, i in hits.items()},
         "final_reward": mean("reward_mean", tail),
         "mean_ess": mean("ess"),
         "min_ess": min(r["ess"] for r in steps),
@@ -105,30 +115,46 @@ def summarise(recs: list[dict], target: float, window: int) -> dict:
 
 
 def speedups(results: dict[str, dict]) -> None:
-    """Add `speedup_vs_conventional` (vs G=1) and `speedup_vs_best_conventional` to every mode in place."""
-    conv = {k: v for k, v in results.items() if k.startswith("conventional") and v["time_to_target_s"]}
-    base = results.get("conventional_G1", {}).get("time_to_target_s")
-    best = min((v["time_to_target_s"] for v in conv.values()), default=None)
+    """Add, to every mode in place: `speedup_vs_conventional` (time to target of conventional G=1 / this mode's),
+    `speedup_vs_best_conventional` (the fastest conventional G instead), the same per further target, and
+    `throughput_vs_conventional` (optimizer steps per second, a less noisy view of the same effect)."""
+    conv = {k: v for k, v in results.items() if k.startswith("conventional")}
+    base = results.get("conventional_G1")
+
+    def ratio(num: float | None, den: float | None) -> float | None:
+        return num / den if num and den else None
+
     for v in results.values():
         t = v["time_to_target_s"]
-        v["speedup_vs_conventional"] = base / t if base and t else None
-        v["speedup_vs_best_conventional"] = best / t if best and t else None
+        best = min((c["time_to_target_s"] for c in conv.values() if c["time_to_target_s"]), default=None)
+        v["speedup_vs_conventional"] = ratio(base and base["time_to_target_s"], t)
+        v["speedup_vs_best_conventional"] = ratio(best, t)
+        v["speedup_vs_conventional_per_target"] = {
+            k: ratio(base and base["time_to_targets_s"][k], x) for k, x in v["time_to_targets_s"].items()}
+        v["throughput_vs_conventional"] = ratio(v["steps_per_s"], base and base["steps_per_s"])
 
 
 def fmt(x: float | None, spec: str = ".2f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def table(results: dict[str, dict], target: float) -> str:
-    head = ("| mode | time to target (s) | samples to target | speedup vs conv G=1 | vs best conv | final reward "
-            "| mean ESS | min ESS | lag mean / max | mixed-version seqs | trainer busy | engine busy | steps/s |")
-    lines = [f"Target: moving-average sampled reward >= {target}.", "", head, "|" + "---|" * 13]
+def table(results: dict[str, dict], target: float, window: int) -> str:
+    targets = list(next(iter(results.values()))["time_to_targets_s"])
+    head = ("| mode | time to target (s) | samples to target | speedup vs conv G=1 | vs best conv | "
+            + " | ".join(f"time / speedup @{t}" for t in targets if t != str(target))
+            + " | final reward | mean ESS | min ESS | lag mean / max | mixed-version seqs | trainer busy | "
+              "engine busy | steps/s (vs conv G=1) |")
+    lines = [f"Target: sampled reward, moving average over {window} steps, >= {target}.", "", head,
+             "|" + "---|" * (head.count("|") - 1)]
     for name, v in results.items():
+        more = " | ".join(f"{fmt(v['time_to_targets_s'][t], '.1f')} / {fmt(v['speedup_vs_conventional_per_target'][t])}"
+                          for t in targets if t != str(target))
         lines.append(f"| {name} | {fmt(v['time_to_target_s'], '.1f')} | {fmt(v['samples_to_target'], '.0f')} | "
-                     f"{fmt(v['speedup_vs_conventional'])} | {fmt(v['speedup_vs_best_conventional'])} | "
+                     f"{fmt(v['speedup_vs_conventional'])} | {fmt(v['speedup_vs_best_conventional'])} | {more} | "
                      f"{v['final_reward']:.3f} | {v['mean_ess']:.3f} | {v['min_ess']:.3f} | "
                      f"{v['mean_lag']:.2f} / {v['max_lag']} | {v['mixed_version_frac']:.2f} | "
-                     f"{v['trainer_busy_frac']:.2f} | {v['inference_busy_frac']:.2f} | {v['steps_per_s']:.2f} |")
+                     f"{v['trainer_busy_frac']:.2f} | {v['inference_busy_frac']:.2f} | "
+                     f"{v['steps_per_s']:.2f} ({fmt(v['throughput_vs_conventional'])}) |")
     return "\n".join(lines)
 
 
@@ -163,8 +189,9 @@ def plot(results: dict[str, dict], target: float, path: Path) -> bool:
 
 def main() -> None:
     a = parse_args()
-    overrides, default_target, quick_steps, full_steps = TASK_SETTINGS[a.task]
+    overrides, default_target, default_more, quick_steps, full_steps = TASK_SETTINGS[a.task]
     target = a.target if a.target is not None else default_target
+    more_targets = [float(x) for x in (a.more_targets if a.more_targets is not None else default_more).split(",") if x]
     steps = a.steps or (quick_steps if a.quick else full_steps)
     modes = a.modes or ("pipeline,conventional:1,conventional:4,async" if a.quick
                         else "pipeline,conventional:1,conventional:2,conventional:4,conventional:8,async")
@@ -173,8 +200,8 @@ def main() -> None:
               "--rl.eval_every=0", "--metrics.log_every=25", *overrides, *a.extra]
     # The warm start once, shared by every mode (its folder is reused when it exists).
     t0 = time.time()
-    run_job([*common, "--job.stage=warmstart", f"--job.output_dir={a.out / 'warmstart_run'}"],
-            a.out / "warmstart.log", a.nproc - a.inference_ranks)
+    run_job([*common, "--job.stage=warmstart", "--world.inference_ranks=0",
+             f"--job.output_dir={a.out / 'warmstart_run'}"], a.out / "warmstart.log", a.nproc - a.inference_ranks)
     print(f"warm start ready ({time.time() - t0:.0f} s)", flush=True)
     results: dict[str, dict] = {}
     for spec in modes.split(","):
@@ -186,14 +213,15 @@ def main() -> None:
         run_job([*common, f"--rl.mode={mode}", f"--rl.sync_every={g}", f"--job.output_dir={out}"],
                 a.out / f"{name}.log", a.nproc)
         recs = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
-        results[name] = summarise(recs, target, a.window)
+        results[name] = summarise(recs, target, more_targets, a.window)
         r = results[name]
         print(f"{name}: {time.time() - t0:.0f} s in all, time to target {fmt(r['time_to_target_s'], '.1f')} s, "
               f"final reward {r['final_reward']:.3f}, mean ESS {r['mean_ess']:.3f}", flush=True)
     speedups(results)
-    md = table(results, target)
+    md = table(results, target, a.window)
     print(md, flush=True)
-    meta = {"task": a.task, "config": a.config, "steps": steps, "target": target, "window": a.window,
+    meta = {"task": a.task, "config": a.config, "steps": steps, "target": target, "more_targets": more_targets,
+            "window": a.window,
             "nproc": a.nproc, "inference_ranks": a.inference_ranks, "extra": a.extra, "cpu_count": os.cpu_count()}
     (a.out / "learning_speed.json").write_text(json.dumps({"settings": meta, "modes": results}, indent=1))
     (a.out / "learning_speed.md").write_text(md + "\n")
