@@ -222,10 +222,11 @@ class AsyncVLLMEngine:
 
     # -- caller side --------------------------------------------------------------------------------------------
     def join_weight_group(self, host: str, port: int, base_rank: int, size: int, backend: str, timeout_s: float,
-                          names_and_shapes: list[tuple[str, list[int]]], dtype: str, bucket_bytes: int) -> None:
+                          names_and_shapes: list[tuple[str, list[int]]], dtype: str, bucket_bytes: int,
+                          group_name: str = "vllm_weights") -> None:
         """Have every worker of this engine join the bucket group (blocks until all members have joined)."""
         self._call(self.llm.collective_rpc("join_weight_group", args=(
-            host, port, base_rank, size, backend, timeout_s, names_and_shapes, dtype, bucket_bytes)))
+            host, port, base_rank, size, backend, timeout_s, names_and_shapes, dtype, bucket_bytes, group_name)))
 
     def add(self, request: Request) -> None:
         if self._n_unfinished == 0:

@@ -16,7 +16,8 @@ class WeightUpdateExtension:
     """Receives the trainer's weight broadcast straight into this worker and loads it with vLLM's reload path."""
 
     def join_weight_group(self, host: str, port: int, base_rank: int, size: int, backend: str, timeout_s: float,
-                          names_and_shapes: list[tuple[str, list[int]]], dtype: str, bucket_bytes: int) -> None:
+                          names_and_shapes: list[tuple[str, list[int]]], dtype: str, bucket_bytes: int,
+                          group_name: str = "vllm_weights") -> None:
         """Join the bucket group as `base_rank + this worker's tensor-parallel rank`; allocate receive buffers."""
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._pl_layout = BucketLayout([(n, torch.Size(s)) for n, s in names_and_shapes], getattr(torch, dtype),
@@ -25,7 +26,7 @@ class WeightUpdateExtension:
         self._pl_buffers = [torch.empty(n, dtype=self._pl_layout.dtype, device=device)
                             for n in self._pl_layout.sizes]
         rank = base_rank + int(getattr(self, "rank", 0))
-        self._pl_group = join_store_group(host, port, "vllm_weights", rank, size, backend, device, timeout_s)
+        self._pl_group = join_store_group(host, port, group_name, rank, size, backend, device, timeout_s)
 
     def receive_weight_update(self, load: bool = True) -> dict[str, int]:
         """Receive one update into the receive buffers and (unless `load` is false: see `load_received_weights`)

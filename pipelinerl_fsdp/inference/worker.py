@@ -33,7 +33,7 @@ from pipelinerl_fsdp.tasks.arithmetic import ProblemStream
 from pipelinerl_fsdp.tokenizer import encode_prompt, load_tokenizer
 from pipelinerl_fsdp.transport.rollouts import RolloutSender, Sample
 from pipelinerl_fsdp.transport.store_group import store_address
-from pipelinerl_fsdp.transport.weights import STOP, UPDATE, WeightReceiver
+from pipelinerl_fsdp.transport.weights import STOP, WeightReceiver
 from pipelinerl_fsdp.warmstart import task_from_config
 from pipelinerl_fsdp.world import World
 
@@ -112,21 +112,18 @@ class InferenceWorker:
         self._take_update()  # the trainer pushes the restored weights first
 
     def _take_update(self) -> None:
-        """Receive the update (or stop) whose header has arrived, or block until one does."""
-        t0 = time.perf_counter()
+        """Take the update (or stop) whose header has arrived, or block until one does."""
+        kind, version = self.receiver.wait_header()
+        if kind == STOP:
+            self.stopped = True
+            return
+        t0 = time.perf_counter()  # the pause: from the header on (not the wait for it)
         recompute = self.cfg.inference.recompute_kv_on_update
         if isinstance(self.engine, AsyncVLLMEngine):
-            kind, version = self.receiver.wait_header()
-            if kind == STOP:
-                self.stopped = True
-                return
             self.engine.update(version, recompute)  # its workers receive the buckets and reload
             self.receiver.post()
         else:
-            kind, version = self.receiver.receive()  # into the engine's own parameters
-            if kind == STOP:
-                self.stopped = True
-                return
+            self.receiver.receive_buckets()  # into the engine's own parameters
             self.engine.set_version(version)
             if recompute:
                 self.engine.recompute_kv()
@@ -134,12 +131,14 @@ class InferenceWorker:
 
     def _stage_update(self) -> None:
         """Async mode: receive the update whose header has arrived without loading it (or note a stop)."""
+        kind, version = self.receiver.wait_header()
+        if kind == STOP:
+            self.stopped = True
+            return
         t0 = time.perf_counter()
         if isinstance(self.engine, AsyncVLLMEngine):
-            kind, version = self.receiver.wait_header()
-            if kind == UPDATE:
-                self.engine.stage_update()
-                self.receiver.post()
+            self.engine.stage_update()
+            self.receiver.post()
         else:
             if self._staging is None:
                 self._staging = {n: torch.empty_like(p) for n, p in self.engine.params.items()}
@@ -149,10 +148,7 @@ class InferenceWorker:
                 for name, t in views:
                     staging[name].copy_(t)
 
-            kind, version = self.receiver.receive(load=keep, staged=True)
-        if kind == STOP:
-            self.stopped = True
-            return
+            self.receiver.receive_buckets(load=keep, staged=True)
         self._staged = version  # a newer update overwrites an older staged one: only the latest is loaded
         self.stats["update_pause_ms"] = (time.perf_counter() - t0) * 1000
 

@@ -208,14 +208,19 @@ class WeightReceiver:
 
     @torch.no_grad()
     def receive(self, load: Loader | None = None, staged: bool = False) -> tuple[int, int]:
-        """After `pending()` (or to block): receive a whole update; returns (kind, version).
+        """After `pending()` (or to block): receive a whole update (see `receive_buckets`); returns (kind, version).
+        After a stop nothing more is posted."""
+        kind, version = self.wait_header()
+        if kind == UPDATE:
+            self.receive_buckets(load, staged)
+        return kind, version
+
+    @torch.no_grad()
+    def receive_buckets(self, load: Loader | None = None, staged: bool = False) -> None:
+        """After an update header: receive its buckets, then post the next header.
 
         Each bucket lands in the bound parameters (see `bind`) or, with `staged` or when unbound, in a scratch
-        buffer handed to `load`. On an update the next header is posted again; after a stop nothing more is posted.
-        """
-        kind, version = self.wait_header()
-        if kind == STOP:
-            return kind, version
+        buffer handed to `load`."""
         for b, size in enumerate(self.layout.sizes):
             if self._bound and not staged:
                 buf = self._bound[b]
@@ -227,4 +232,3 @@ class WeightReceiver:
             if load is not None:
                 load(self.layout.views(b, buf))
         self.post()
-        return kind, version

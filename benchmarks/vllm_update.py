@@ -1,0 +1,139 @@
+"""Weight-update pause of a vLLM engine inside a torchrun job, against model size, next to a memcpy of the bytes.
+
+Exactly the job's arrangement: rank 0 plays the first trainer rank (bucketed broadcast over the store-built group),
+rank 1 runs `AsyncVLLMEngine` (engine core and worker in their own processes) and keeps generating while updates
+arrive. The pause is the engine's stall per update: scheduler paused -> the worker receives every bucket and
+reloads -> resumed (`AsyncVLLMEngine.update`, timed on rank 1), split into the worker-side receive and reload.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py \
+        --flavours debug,base --updates 5
+
+Prints a table; writes benchmarks/results/vllm_update.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pipelinerl_fsdp.config import Config
+from pipelinerl_fsdp.inference.engine import Request
+from pipelinerl_fsdp.inference.placement import vllm_placement
+from pipelinerl_fsdp.inference.vllm_engine import AsyncVLLMEngine
+from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
+from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
+from pipelinerl_fsdp.tokenizer import build_char_tokenizer
+from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
+from pipelinerl_fsdp.transport.weights import WeightReceiver, WeightSender
+from pipelinerl_fsdp.world import init_world
+
+# "base": the ~100M-class body (hidden 768, 12 layers) with the character vocabulary (as in benchmarks/engines.py)
+SHAPES = {"debug": {}, "base": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                                    num_attention_heads=12, num_key_value_heads=4, head_dim=None)}
+BUCKET = 64 * 1024**2
+
+
+def memcpy_ms(nbytes: int) -> float:
+    a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    b.copy_(a)
+    t0 = time.perf_counter()
+    b.copy_(a)
+    return (time.perf_counter() - t0) * 1000
+
+
+def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | None:
+    tok = build_char_tokenizer(ALPHABET)
+    args = flavour_args("debug", vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                        **SHAPES[name])
+    model = build_model(args, seed=0).eval()
+    layout = [(n, p.shape) for n, p in model.named_parameters()]
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    folder = work / name
+    if world.rank == 0:
+        save_hf_folder(folder, args, model.state_dict())
+        tok.save_pretrained(str(folder))
+    dist.barrier()
+    if world.rank == 0:
+        group = join_store_group(*store_address(), f"bench_{name}", 0, 2, "gloo", torch.device("cpu"), 600)
+        sender = WeightSender(model, world.weight_group, 0, True, torch.float32, torch.device("cpu"), BUCKET, group)
+        for v in range(1, n_updates + 1):
+            dist.barrier()  # the engine is generating
+            sender.push(v)
+        dist.barrier()
+        return None
+    engine = AsyncVLLMEngine(folder, max_num_seqs=32, max_len=160, temperature=1.0, top_p=1.0, seed=0,
+                             dtype="float32", placement=vllm_placement(cfg, world), kv_cache_gib=1, ignore_eos=True)
+    receiver = WeightReceiver(layout, world.weight_group, 0, torch.float32, torch.device("cpu"), BUCKET)
+    engine.join_weight_group(*store_address(), 1, 2, "gloo", 600, [(n, list(s)) for n, s in layout], "float32", BUCKET,
+                             group_name=f"bench_{name}")
+    gen = torch.Generator().manual_seed(0)
+    next_id = 0
+
+    def top_up() -> None:
+        nonlocal next_id
+        while engine.num_unfinished() < 16:
+            engine.add(Request(next_id, torch.randint(3, len(tok), (8,), generator=gen).tolist(), 128))
+            next_id += 1
+
+    top_up()
+    while not engine.step(timeout=0.1):  # first requests done: past vLLM's warm-up
+        top_up()
+    pauses = []
+    for _ in range(n_updates):
+        top_up()
+        time.sleep(0.2)
+        dist.barrier()
+        _, version = receiver.wait_header()
+        t0 = time.perf_counter()
+        engine.update(version, recompute=False)
+        pauses.append((time.perf_counter() - t0) * 1000)
+        receiver.post()
+        engine.step(timeout=0.01)
+    dist.barrier()
+    engine.close()
+    pauses.sort()
+    return {"model": name, "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "mb": nbytes / 1e6,
+            "pause_ms_median": pauses[len(pauses) // 2], "pause_ms_min": pauses[0], "pause_ms_max": pauses[-1],
+            "memcpy_ms": memcpy_ms(nbytes)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--flavours", default="debug,base")
+    p.add_argument("--updates", type=int, default=5)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_update.json"))
+    a = p.parse_args()
+    cfg = Config()
+    cfg.job.stage, cfg.inference.engine, cfg.world.inference_ranks = "rl", "vllm", 1
+    world = init_world(cfg)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        obj = [str(work)]
+        dist.broadcast_object_list(obj, src=0)  # one folder for both ranks
+        for name in a.flavours.split(","):
+            row = bench(name, a.updates, Path(obj[0]), world, cfg)
+            if row:
+                rows.append(row)
+                print(f"{name}: {row}", flush=True)
+    if world.rank == 1:
+        print("| model | MB | pause ms (median, min..max) | memcpy ms | pause / memcpy |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['model']} ({r['params_m']:.1f}M) | {r['mb']:.1f} | {r['pause_ms_median']:.1f} "
+                  f"({r['pause_ms_min']:.1f}..{r['pause_ms_max']:.1f}) | {r['memcpy_ms']:.1f} | "
+                  f"{r['pause_ms_median'] / max(r['memcpy_ms'], 1e-9):.0f}x |", flush=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(rows, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
