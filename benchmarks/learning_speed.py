@@ -44,7 +44,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--inference-ranks", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_speed")
-    p.add_argument("--extra", nargs="*", default=[], help="more --section.key=value overrides for every run")
+    p.add_argument("--extra", action="append", default=[],
+                   help="one more --section.key=value override for every run; repeat: --extra=--rl.lr=1e-5")
     return p.parse_args()
 
 

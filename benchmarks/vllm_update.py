@@ -5,10 +5,11 @@ rank 1 runs `AsyncVLLMEngine` (engine core and worker in their own processes) an
 arrive. The pause is the engine's stall per update: scheduler paused -> the worker receives every bucket and
 reloads -> resumed (`AsyncVLLMEngine.update`, timed on rank 1), split into the worker-side receive and reload.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py \
-        --flavours debug,base --updates 5
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour debug
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour base
 
-Prints a table; writes benchmarks/results/vllm_update.json.
+One model per job, as in the real job (a second AsyncLLM started in the same process after closing the first hung
+here once; not investigated). Prints a table row; writes benchmarks/results/vllm_update_<flavour>.json.
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | N
             next_id += 1
 
     top_up()
+    print(f"[{name}] engine up, generating", flush=True)
     while not engine.step(timeout=0.1):  # first requests done: past vLLM's warm-up
         top_up()
+    print(f"[{name}] first requests done", flush=True)
     pauses = []
     for _ in range(n_updates):
         top_up()
@@ -93,6 +96,7 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | N
         t0 = time.perf_counter()
         engine.update(version, recompute=False)
         pauses.append((time.perf_counter() - t0) * 1000)
+        print(f"[{name}] update {version}: {pauses[-1]:.1f} ms", flush=True)
         receiver.post()
         engine.step(timeout=0.01)
     dist.barrier()
@@ -105,9 +109,9 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | N
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--flavours", default="debug,base")
+    p.add_argument("--flavour", choices=sorted(SHAPES), default="debug")
     p.add_argument("--updates", type=int, default=5)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_update.json"))
+    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/vllm_update_<flavour>.json")
     a = p.parse_args()
     cfg = Config()
     cfg.job.stage, cfg.inference.engine, cfg.world.inference_ranks = "rl", "vllm", 1
@@ -117,11 +121,9 @@ def main() -> None:
         work = Path(tmp)
         obj = [str(work)]
         dist.broadcast_object_list(obj, src=0)  # one folder for both ranks
-        for name in a.flavours.split(","):
-            row = bench(name, a.updates, Path(obj[0]), world, cfg)
-            if row:
-                rows.append(row)
-                print(f"{name}: {row}", flush=True)
+        row = bench(a.flavour, a.updates, Path(obj[0]), world, cfg)
+        if row:
+            rows.append(row)
     if world.rank == 1:
         print("| model | MB | pause ms (median, min..max) | memcpy ms | pause / memcpy |")
         print("|---|---|---|---|---|")
@@ -129,8 +131,9 @@ def main() -> None:
             print(f"| {r['model']} ({r['params_m']:.1f}M) | {r['mb']:.1f} | {r['pause_ms_median']:.1f} "
                   f"({r['pause_ms_min']:.1f}..{r['pause_ms_max']:.1f}) | {r['memcpy_ms']:.1f} | "
                   f"{r['pause_ms_median'] / max(r['memcpy_ms'], 1e-9):.0f}x |", flush=True)
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps(rows, indent=1))
+        out = a.out or Path(f"benchmarks/results/vllm_update_{a.flavour}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rows, indent=1))
     dist.barrier()
     dist.destroy_process_group()
 
