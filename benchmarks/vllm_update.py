@@ -6,7 +6,7 @@ arrive. The pause is the engine's stall per update: scheduler paused -> the work
 reloads -> resumed (`AsyncVLLMEngine.update`, timed on rank 1), split into the worker-side receive and reload.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour debug
-    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour base
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour small
 
 One model per job, as in the real job (a second AsyncLLM started in the same process after closing the first hung
 here once; not investigated). Prints a table row; writes benchmarks/results/vllm_update_<flavour>.json.
@@ -27,16 +27,13 @@ from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.placement import vllm_placement
 from pipelinerl_fsdp.inference.vllm_engine import AsyncVLLMEngine
-from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
+from pipelinerl_fsdp.models import FLAVOURS, build_model, flavour_args, save_hf_folder
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer
 from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import WeightReceiver, WeightSender
 from pipelinerl_fsdp.world import init_world
 
-# "base": the ~100M-class body (hidden 768, 12 layers) with the character vocabulary (as in benchmarks/engines.py)
-SHAPES = {"debug": {}, "base": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                                    num_attention_heads=12, num_key_value_heads=4, head_dim=None)}
 BUCKET = 64 * 1024**2
 
 
@@ -50,8 +47,8 @@ def memcpy_ms(nbytes: int) -> float:
 
 def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | None:
     tok = build_char_tokenizer(ALPHABET)
-    args = flavour_args("debug", vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                        **SHAPES[name])
+    # the flavour's body with the character vocabulary ("small": 75.6M parameters then)
+    args = flavour_args(name, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = build_model(args, seed=0).eval()
     layout = [(n, p.shape) for n, p in model.named_parameters()]
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -109,7 +106,7 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | N
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--flavour", choices=sorted(SHAPES), default="debug")
+    p.add_argument("--flavour", choices=sorted(FLAVOURS), default="debug")
     p.add_argument("--updates", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/vllm_update_<flavour>.json")
     a = p.parse_args()
