@@ -33,36 +33,68 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer steps and modes (about 15 min on 2 CPU cores)")
     p.add_argument("--config", default="arithmetic", help="train_configs/ name or a TOML path")
     p.add_argument("--task", choices=["addition", "chain_sum"], default="addition")
-    p.add_argument("--modes", default=None,
-                   help="comma list of MODE[:G], e.g. pipeline,conventional:1,conventional:4,async")
+    p.add_argument(
+        "--modes", default=None, help="comma list of MODE[:G], e.g. pipeline,conventional:1,conventional:4,async"
+    )
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
     p.add_argument("--target", type=float, default=None, help="target mean reward (default: per task)")
-    p.add_argument("--more-targets", default=None,
-                   help="comma list of further targets also reported (default: per task); a single target "
-                        "on a noisy curve says little")
+    p.add_argument(
+        "--more-targets",
+        default=None,
+        help="comma list of further targets also reported (default: per task); a single target "
+        "on a noisy curve says little",
+    )
     p.add_argument("--window", type=int, default=10, help="steps in the reward moving average")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--inference-ranks", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_speed")
-    p.add_argument("--extra", action="append", default=[],
-                   help="one more --section.key=value override for every run; repeat: --extra=--rl.lr=1e-5")
+    p.add_argument(
+        "--extra",
+        action="append",
+        default=[],
+        help="one more --section.key=value override for every run; repeat: --extra=--rl.lr=1e-5",
+    )
     return p.parse_args()
 
 
 TASK_SETTINGS = {
     # overrides, default target, further targets, quick steps, full steps
     "addition": ([], 0.8, "0.75,0.83", 200, 400),
-    "chain_sum": (["--task.name=chain_sum", "--task.digits=2", "--task.min_terms=2", "--task.max_terms=12",
-                   "--task.max_new_tokens=128", "--warmstart.path=outputs/warmstart/chain_sum-debug",
-                   "--warmstart.steps=1500"], 0.5, "0.3,0.4", 150, 400),
+    "chain_sum": (
+        [
+            "--task.name=chain_sum",
+            "--task.digits=2",
+            "--task.min_terms=2",
+            "--task.max_terms=12",
+            "--task.max_new_tokens=128",
+            "--warmstart.path=outputs/warmstart/chain_sum-debug",
+            "--warmstart.steps=1500",
+        ],
+        0.5,
+        "0.3,0.4",
+        150,
+        400,
+    ),
 }
 
 
 def run_job(args: list[str], log: Path, nproc: int) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(ROOT / "run_train.py"), *args]
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(ROOT / "run_train.py"),
+        *args,
+    ]
     with open(log, "w") as f:
         r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     if r.returncode != 0:
@@ -109,9 +141,14 @@ def summarise(recs: list[dict], target: float, more_targets: list[float], window
         "trainer_busy_frac": mean("trainer_busy_frac"),
         "inference_busy_frac": mean("inference_busy_frac"),
         "steps_per_s": len(steps) / max(steps[-1]["wall_time_s"], 1e-9),
-        "curve": {"wall_time_s": [r["wall_time_s"] for r in steps], "samples": [r["samples"] for r in steps],
-                  "reward_mean": [r["reward_mean"] for r in steps], "reward_smooth": smooth,
-                  "ess": [r["ess"] for r in steps], "lag_mean": [r["lag_mean"] for r in steps]},
+        "curve": {
+            "wall_time_s": [r["wall_time_s"] for r in steps],
+            "samples": [r["samples"] for r in steps],
+            "reward_mean": [r["reward_mean"] for r in steps],
+            "reward_smooth": smooth,
+            "ess": [r["ess"] for r in steps],
+            "lag_mean": [r["lag_mean"] for r in steps],
+        },
     }
 
 
@@ -131,7 +168,8 @@ def speedups(results: dict[str, dict]) -> None:
         v["speedup_vs_conventional"] = ratio(base and base["time_to_target_s"], t)
         v["speedup_vs_best_conventional"] = ratio(best, t)
         v["speedup_vs_conventional_per_target"] = {
-            k: ratio(base and base["time_to_targets_s"][k], x) for k, x in v["time_to_targets_s"].items()}
+            k: ratio(base and base["time_to_targets_s"][k], x) for k, x in v["time_to_targets_s"].items()
+        }
         v["throughput_vs_conventional"] = ratio(v["steps_per_s"], base and base["steps_per_s"])
 
 
@@ -141,21 +179,32 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
 
 def table(results: dict[str, dict], target: float, window: int) -> str:
     targets = list(next(iter(results.values()))["time_to_targets_s"])
-    head = ("| mode | time to target (s) | samples to target | speedup vs conv G=1 | vs best conv | "
-            + " | ".join(f"time / speedup @{t}" for t in targets if t != str(target))
-            + " | final reward | mean ESS | min ESS | lag mean / max | mixed-version seqs | trainer busy | "
-              "engine busy | steps/s (vs conv G=1) |")
-    lines = [f"Target: sampled reward, moving average over {window} steps, >= {target}.", "", head,
-             "|" + "---|" * (head.count("|") - 1)]
+    head = (
+        "| mode | time to target (s) | samples to target | speedup vs conv G=1 | vs best conv | "
+        + " | ".join(f"time / speedup @{t}" for t in targets if t != str(target))
+        + " | final reward | mean ESS | min ESS | lag mean / max | mixed-version seqs | trainer busy | "
+        "engine busy | steps/s (vs conv G=1) |"
+    )
+    lines = [
+        f"Target: sampled reward, moving average over {window} steps, >= {target}.",
+        "",
+        head,
+        "|" + "---|" * (head.count("|") - 1),
+    ]
     for name, v in results.items():
-        more = " | ".join(f"{fmt(v['time_to_targets_s'][t], '.1f')} / {fmt(v['speedup_vs_conventional_per_target'][t])}"
-                          for t in targets if t != str(target))
-        lines.append(f"| {name} | {fmt(v['time_to_target_s'], '.1f')} | {fmt(v['samples_to_target'], '.0f')} | "
-                     f"{fmt(v['speedup_vs_conventional'])} | {fmt(v['speedup_vs_best_conventional'])} | {more} | "
-                     f"{v['final_reward']:.3f} | {v['mean_ess']:.3f} | {v['min_ess']:.3f} | "
-                     f"{v['mean_lag']:.2f} / {v['max_lag']} | {v['mixed_version_frac']:.2f} | "
-                     f"{v['trainer_busy_frac']:.2f} | {v['inference_busy_frac']:.2f} | "
-                     f"{v['steps_per_s']:.2f} ({fmt(v['throughput_vs_conventional'])}) |")
+        more = " | ".join(
+            f"{fmt(v['time_to_targets_s'][t], '.1f')} / {fmt(v['speedup_vs_conventional_per_target'][t])}"
+            for t in targets
+            if t != str(target)
+        )
+        lines.append(
+            f"| {name} | {fmt(v['time_to_target_s'], '.1f')} | {fmt(v['samples_to_target'], '.0f')} | "
+            f"{fmt(v['speedup_vs_conventional'])} | {fmt(v['speedup_vs_best_conventional'])} | {more} | "
+            f"{v['final_reward']:.3f} | {v['mean_ess']:.3f} | {v['min_ess']:.3f} | "
+            f"{v['mean_lag']:.2f} / {v['max_lag']} | {v['mixed_version_frac']:.2f} | "
+            f"{v['trainer_busy_frac']:.2f} | {v['inference_busy_frac']:.2f} | "
+            f"{v['steps_per_s']:.2f} ({fmt(v['throughput_vs_conventional'])}) |"
+        )
     return "\n".join(lines)
 
 
@@ -194,15 +243,29 @@ def main() -> None:
     target = a.target if a.target is not None else default_target
     more_targets = [float(x) for x in (a.more_targets if a.more_targets is not None else default_more).split(",") if x]
     steps = a.steps or (quick_steps if a.quick else full_steps)
-    modes = a.modes or ("pipeline,conventional:1,conventional:4,async" if a.quick
-                        else "pipeline,conventional:1,conventional:2,conventional:4,conventional:8,async")
+    modes = a.modes or (
+        "pipeline,conventional:1,conventional:4,async"
+        if a.quick
+        else "pipeline,conventional:1,conventional:2,conventional:4,conventional:8,async"
+    )
     a.out.mkdir(parents=True, exist_ok=True)
-    common = ["--config", a.config, f"--world.inference_ranks={a.inference_ranks}", f"--rl.max_steps={steps}",
-              "--rl.eval_every=0", "--metrics.log_every=25", *overrides, *a.extra]
+    common = [
+        "--config",
+        a.config,
+        f"--world.inference_ranks={a.inference_ranks}",
+        f"--rl.max_steps={steps}",
+        "--rl.eval_every=0",
+        "--metrics.log_every=25",
+        *overrides,
+        *a.extra,
+    ]
     # The warm start once, shared by every mode (its folder is reused when it exists).
     t0 = time.time()
-    run_job([*common, "--job.stage=warmstart", "--world.inference_ranks=0",
-             f"--job.output_dir={a.out / 'warmstart_run'}"], a.out / "warmstart.log", a.nproc - a.inference_ranks)
+    run_job(
+        [*common, "--job.stage=warmstart", "--world.inference_ranks=0", f"--job.output_dir={a.out / 'warmstart_run'}"],
+        a.out / "warmstart.log",
+        a.nproc - a.inference_ranks,
+    )
     print(f"warm start ready ({time.time() - t0:.0f} s)", flush=True)
     results: dict[str, dict] = {}
     for spec in modes.split(","):
@@ -211,19 +274,34 @@ def main() -> None:
         name = f"{mode}_G{g}" if mode == "conventional" else mode
         out = a.out / "runs" / name
         t0 = time.time()
-        run_job([*common, f"--rl.mode={mode}", f"--rl.sync_every={g}", f"--job.output_dir={out}"],
-                a.out / f"{name}.log", a.nproc)
+        run_job(
+            [*common, f"--rl.mode={mode}", f"--rl.sync_every={g}", f"--job.output_dir={out}"],
+            a.out / f"{name}.log",
+            a.nproc,
+        )
         recs = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
         results[name] = summarise(recs, target, more_targets, a.window)
         r = results[name]
-        print(f"{name}: {time.time() - t0:.0f} s in all, time to target {fmt(r['time_to_target_s'], '.1f')} s, "
-              f"final reward {r['final_reward']:.3f}, mean ESS {r['mean_ess']:.3f}", flush=True)
+        print(
+            f"{name}: {time.time() - t0:.0f} s in all, time to target {fmt(r['time_to_target_s'], '.1f')} s, "
+            f"final reward {r['final_reward']:.3f}, mean ESS {r['mean_ess']:.3f}",
+            flush=True,
+        )
     speedups(results)
     md = table(results, target, a.window)
     print(md, flush=True)
-    meta = {"task": a.task, "config": a.config, "steps": steps, "target": target, "more_targets": more_targets,
-            "window": a.window,
-            "nproc": a.nproc, "inference_ranks": a.inference_ranks, "extra": a.extra, "cpu_count": os.cpu_count()}
+    meta = {
+        "task": a.task,
+        "config": a.config,
+        "steps": steps,
+        "target": target,
+        "more_targets": more_targets,
+        "window": a.window,
+        "nproc": a.nproc,
+        "inference_ranks": a.inference_ranks,
+        "extra": a.extra,
+        "cpu_count": os.cpu_count(),
+    }
     (a.out / "learning_speed.json").write_text(json.dumps({"settings": meta, "modes": results}, indent=1))
     (a.out / "learning_speed.md").write_text(md + "\n")
     if plot(results, target, a.out / "learning_speed.png"):

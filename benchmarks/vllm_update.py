@@ -1,9 +1,9 @@
 """Weight-update pause of a vLLM engine inside a torchrun job, against model size, next to a memcpy of the bytes.
 
 Exactly the job's arrangement: rank 0 plays the first trainer rank (bucketed broadcast over the store-built group),
-rank 1 runs `AsyncVLLMEngine` (engine core and worker in their own processes) and keeps generating while updates
+rank 1 runs `VLLMEngine` (engine core and worker in their own processes) and keeps generating while updates
 arrive. The pause is the engine's stall per update: scheduler paused -> the worker receives every bucket and
-reloads -> resumed (`AsyncVLLMEngine.update`, timed on rank 1), split into the worker-side receive and reload.
+reloads -> resumed (`VLLMEngine.load_update`, timed on rank 1), split into the worker-side receive and reload.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour debug
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour small
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.placement import vllm_placement
-from pipelinerl_fsdp.inference.vllm_engine import AsyncVLLMEngine
+from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine
 from pipelinerl_fsdp.models import FLAVOURS, build_model, flavour_args, save_hf_folder
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer
@@ -65,11 +65,30 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | N
             sender.push(v)
         dist.barrier()
         return None
-    engine = AsyncVLLMEngine(folder, max_num_seqs=32, max_len=160, temperature=1.0, top_p=1.0, seed=0,
-                             dtype="float32", placement=vllm_placement(cfg, world), kv_cache_gib=1, ignore_eos=True)
+    engine = VLLMEngine(
+        folder,
+        max_num_seqs=32,
+        max_len=160,
+        temperature=1.0,
+        top_p=1.0,
+        seed=0,
+        dtype="float32",
+        placement=vllm_placement(cfg, world),
+        kv_cache_gib=1,
+        ignore_eos=True,
+    )
     receiver = WeightReceiver(layout, world.weight_group, 0, torch.float32, torch.device("cpu"), BUCKET)
-    engine.join_weight_group(*store_address(), 1, 2, "gloo", 600, [(n, list(s)) for n, s in layout], "float32", BUCKET,
-                             group_name=f"bench_{name}")
+    engine.join_weight_group(
+        *store_address(),
+        1,
+        2,
+        "gloo",
+        600,
+        [(n, list(s)) for n, s in layout],
+        "float32",
+        BUCKET,
+        group_name=f"bench_{name}",
+    )
     gen = torch.Generator().manual_seed(0)
     next_id = 0
 
@@ -91,7 +110,7 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | N
         dist.barrier()
         _, version = receiver.wait_header()
         t0 = time.perf_counter()
-        engine.update(version, recompute=False)
+        engine.load_update(receiver, version, recompute=False)
         pauses.append((time.perf_counter() - t0) * 1000)
         print(f"[{name}] update {version}: {pauses[-1]:.1f} ms", flush=True)
         receiver.post()
@@ -99,9 +118,15 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | N
     dist.barrier()
     engine.close()
     pauses.sort()
-    return {"model": name, "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "mb": nbytes / 1e6,
-            "pause_ms_median": pauses[len(pauses) // 2], "pause_ms_min": pauses[0], "pause_ms_max": pauses[-1],
-            "memcpy_ms": memcpy_ms(nbytes)}
+    return {
+        "model": name,
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "mb": nbytes / 1e6,
+        "pause_ms_median": pauses[len(pauses) // 2],
+        "pause_ms_min": pauses[0],
+        "pause_ms_max": pauses[-1],
+        "memcpy_ms": memcpy_ms(nbytes),
+    }
 
 
 def main() -> None:
@@ -125,9 +150,12 @@ def main() -> None:
         print("| model | MB | pause ms (median, min..max) | memcpy ms | pause / memcpy |")
         print("|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['model']} ({r['params_m']:.1f}M) | {r['mb']:.1f} | {r['pause_ms_median']:.1f} "
-                  f"({r['pause_ms_min']:.1f}..{r['pause_ms_max']:.1f}) | {r['memcpy_ms']:.1f} | "
-                  f"{r['pause_ms_median'] / max(r['memcpy_ms'], 1e-9):.0f}x |", flush=True)
+            print(
+                f"| {r['model']} ({r['params_m']:.1f}M) | {r['mb']:.1f} | {r['pause_ms_median']:.1f} "
+                f"({r['pause_ms_min']:.1f}..{r['pause_ms_max']:.1f}) | {r['memcpy_ms']:.1f} | "
+                f"{r['pause_ms_median'] / max(r['memcpy_ms'], 1e-9):.0f}x |",
+                flush=True,
+            )
         out = a.out or Path(f"benchmarks/results/vllm_update_{a.flavour}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rows, indent=1))

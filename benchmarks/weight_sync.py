@@ -7,7 +7,7 @@ Run (2 processes: rank 0 = FSDP2 trainer, rank 1 = engine; gloo on CPU, NCCL on 
 For each model: `gather` (DTensor full_tensor on the trainer), `push` (sender: whole update), `pause` (receiver:
 header seen -> last bucket written into the engine's parameters; what an engine stalls for), and two baselines:
 `plain_bcast` (one broadcast of a flat tensor of the same bytes on the same group) and `memcpy` (a local copy).
-The DESIGN target: pause within 1.5x of plain_bcast. Prints a table and writes JSON.
+The target (docs/performance.md): pause within 1.5x of plain_bcast. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -85,9 +85,13 @@ def bench(flavour: str, repeats: int, world, bucket_mb: int, plain_group) -> dic
     mine = torch.tensor([median_ms(res[k]) if res[k] else 0.0 for k in res], dtype=torch.float64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     row = dict(zip([f"{k}_ms" for k in res], mine.tolist()))
-    row.update(flavour=flavour, params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
-               mbytes=round(nbytes / 1e6, 1), pause_over_plain=row["pause_ms"] / max(row["plain_bcast_ms"], 1e-9),
-               pause_mb_per_s=nbytes / 1e6 / max(row["pause_ms"] / 1000, 1e-9))
+    row.update(
+        flavour=flavour,
+        params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
+        mbytes=round(nbytes / 1e6, 1),
+        pause_over_plain=row["pause_ms"] / max(row["plain_bcast_ms"], 1e-9),
+        pause_mb_per_s=nbytes / 1e6 / max(row["pause_ms"] / 1000, 1e-9),
+    )
     return row
 
 
@@ -104,16 +108,30 @@ def main() -> None:
     plain_group = dist.new_group([world.trainer_ranks[0], *world.inference_ranks])
     rows = [bench(f, a.repeats, world, a.bucket_mb, plain_group) for f in a.flavours.split(",")]
     if world.rank == 0:
-        cols = ["flavour", "params_m", "mbytes", "gather_ms", "push_ms", "pause_ms", "plain_bcast_ms", "memcpy_ms",
-                "pause_over_plain", "pause_mb_per_s"]
+        cols = [
+            "flavour",
+            "params_m",
+            "mbytes",
+            "gather_ms",
+            "push_ms",
+            "pause_ms",
+            "plain_bcast_ms",
+            "memcpy_ms",
+            "pause_over_plain",
+            "pause_mb_per_s",
+        ]
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))
         for r in rows:
             print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"device": str(world.device), "backend": world.backend,
-                                   "bucket_mb": a.bucket_mb, "rows": rows}, indent=2))
+        out.write_text(
+            json.dumps(
+                {"device": str(world.device), "backend": world.backend, "bucket_mb": a.bucket_mb, "rows": rows},
+                indent=2,
+            )
+        )
         print(f"wrote {out}")
     dist.destroy_process_group()
 

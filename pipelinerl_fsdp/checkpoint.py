@@ -18,9 +18,17 @@ def _step_dir(folder: Path, step: int) -> Path:
     return folder / f"step-{step:07d}"
 
 
-def save_checkpoint(folder: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, meta: dict[str, Any],
-                    group: dist.ProcessGroup | None, is_main: bool, keep: int = 2) -> Path:
+def save_checkpoint(
+    folder: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    meta: dict[str, Any],
+    group: dist.ProcessGroup | None,
+    is_main: bool,
+    keep: int = 2,
+) -> Path:
     """Collective over the trainer ranks. `meta` must be JSON-serialisable (version, data positions...)."""
     folder = Path(folder)
     path = _step_dir(folder, step)
@@ -28,8 +36,12 @@ def save_checkpoint(folder: str | Path, step: int, model: torch.nn.Module, optim
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), process_group=group)
     dist.barrier(group=group)
     if is_main:
-        full_meta = {"step": step, "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state().tolist(),
-                     **meta}
+        full_meta = {
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state().tolist(),
+            **meta,
+        }
         (path / "meta.json").write_text(json.dumps(full_meta))
         (folder / "latest.tmp").write_text(path.name)
         (folder / "latest.tmp").replace(folder / "latest")  # atomic: never points at a half-written step
@@ -51,9 +63,13 @@ def read_meta(path: Path) -> dict[str, Any]:
     return json.loads((path / "meta.json").read_text())
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: torch.optim.lr_scheduler.LRScheduler, group: dist.ProcessGroup | None
-                    ) -> dict[str, Any]:
+def load_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    group: dist.ProcessGroup | None,
+) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG in place (collective); returns the meta dict."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}

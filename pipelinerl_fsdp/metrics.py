@@ -8,14 +8,71 @@ import time
 from pathlib import Path
 from typing import Any
 
+# (metric key, console label, format) of the console line; keys missing from a step are left out.
+ConsoleFields = list[tuple[str, str, str]]
+RL_CONSOLE: ConsoleFields = [
+    ("reward_mean", "reward", "{:.3f}"),
+    ("eval_accuracy", "eval", "{:.3f}"),
+    ("ess", "ess", "{:.3f}"),
+    ("lag_mean", "lag", "{:.2f}"),
+    ("lag_max", "max", "{:d}"),
+    ("update_pause_ms", "pause", "{:.0f} ms"),
+    ("trainer_busy_frac", "busy", "{:.2f}"),
+    ("dropped_stale", "dropped", "{:d}"),
+]
+WARMSTART_CONSOLE: ConsoleFields = [
+    ("loss", "loss", "{:.4f}"),
+    ("eval_accuracy", "eval", "{:.3f}"),
+    ("train_tokens_per_s", "tok/s", "{:.0f}"),
+]
+
+
+def format_duration(seconds: float) -> str:
+    s = int(round(max(seconds, 0.0)))
+    h, rem = divmod(s, 3600)
+    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60}:{rem % 60:02d}"
+
+
+def console_line(
+    stage: str,
+    step: int,
+    total: int,
+    elapsed_s: float,
+    values: dict[str, Any],
+    fields: ConsoleFields,
+    eta_s: float = float("nan"),
+) -> str:
+    """`[rl] step 20/300 | 0:35, ETA 4:50 | reward 0.612 | ...`: progress, elapsed, ETA, then the key metrics."""
+    parts = [
+        f"[{stage}] step {step}/{total}",
+        f"{format_duration(elapsed_s)}, ETA {format_duration(eta_s) if math.isfinite(eta_s) else '?'}",
+    ]
+    for key, label, fmt in fields:
+        v = values.get(key)
+        if v is None or (isinstance(v, float) and not math.isfinite(v)):
+            continue
+        parts.append(f"{label} {fmt.format(int(v) if fmt.endswith('d}') else v)}")
+    return " | ".join(parts)
+
 
 class MetricsLogger:
     """Writes from one rank only (construct with enabled=False elsewhere)."""
 
-    def __init__(self, output_dir: str | Path, tensorboard: bool = True, enabled: bool = True,
-                 prefix: str = "") -> None:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        tensorboard: bool = True,
+        enabled: bool = True,
+        prefix: str = "",
+        total_steps: int = 0,
+        console_fields: ConsoleFields | None = None,
+    ) -> None:
         self.enabled = enabled
         self.prefix = prefix
+        self.total_steps = total_steps
+        # the ETA extrapolates from the first step this process logged on (which includes start-up waits)
+        self._eta_from: tuple[int, float] | None = None
+        self.console_fields = console_fields or []
         self.start = time.time()
         self._writer = None
         self._file = None
@@ -32,25 +89,26 @@ class MetricsLogger:
     def log(self, step: int, values: dict[str, Any], console: bool = True) -> None:
         if not self.enabled:
             return
-        record = {"step": step, "wall_time_s": round(time.time() - self.start, 3), **values}
+        elapsed = time.time() - self.start
+        record = {"step": step, "wall_time_s": round(elapsed, 3), **values}
         assert self._file is not None
         self._file.write(json.dumps(record) + "\n")
         if self._writer is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self._writer.add_scalar(f"{self.prefix}{k}", v, step)
+        eta = float("nan")
+        if self._eta_from is None:
+            self._eta_from = (step, elapsed)
+        elif step > self._eta_from[0]:
+            rate = (elapsed - self._eta_from[1]) / (step - self._eta_from[0])
+            eta = rate * (self.total_steps - step)
         if console:
-            parts = [f"{k}={_fmt(v)}" for k, v in record.items()]
-            print(f"[{self.prefix or 'train'}] " + " ".join(parts), flush=True)
+            stage = self.prefix.rstrip("/") or "rl"
+            print(console_line(stage, step, self.total_steps, elapsed, values, self.console_fields, eta), flush=True)
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
         if self._file is not None:
             self._file.close()
-
-
-def _fmt(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)

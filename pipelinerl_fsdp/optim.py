@@ -1,4 +1,4 @@
-"""AdamW and the learning-rate schedule (linear warm-up, then cosine decay or constant)."""
+"""AdamW and the learning-rate schedule (linear warm-up, then cosine decay or constant), from an OptimizerConfig."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import math
 from collections.abc import Iterable
 
 import torch
+
+from pipelinerl_fsdp.config import OptimizerConfig
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
@@ -18,10 +20,14 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], lr: float, betas: list[float], eps: float,
-                    weight_decay: float, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float
-                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    opt = torch.optim.AdamW(list(params), lr=lr, betas=(betas[0], betas[1]), eps=eps, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, warmup_steps, total_steps, schedule, min_ratio))
-    return opt, sched
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], opt: OptimizerConfig, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `params` and its schedule over `total_steps` optimizer steps."""
+    optimizer = torch.optim.AdamW(
+        list(params), lr=opt.lr, betas=(opt.betas[0], opt.betas[1]), eps=opt.eps, weight_decay=opt.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, opt.warmup_steps, total_steps, opt.lr_schedule, opt.min_lr_ratio)
+    )
+    return optimizer, scheduler

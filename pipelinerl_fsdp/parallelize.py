@@ -19,8 +19,9 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype,
-               reduce_dtype: torch.dtype) -> Transformer:
+def apply_fsdp(
+    model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> Transformer:
     """Shard each decoder block, then the root (embeddings, final norm, lm_head)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.model.layers:

@@ -1,14 +1,20 @@
 """Tokenizers as HF folders (tokenizer.json + tokenizer_config.json, with chat template) that vLLM loads as well.
 
-Real models bring their own `tokenizer.json`; the arithmetic task uses a character-level tokenizer built here
+Real models bring their own `tokenizer.json`; the arithmetic tasks use a character-level tokenizer built here
 with the `tokenizers` library and saved in the same format.
+
+The character tokenizer is a byte-level BPE with one token per character and no merges. A plainer WordLevel
+model would do in memory, but `AutoTokenizer` (and so vLLM) does not load it back as written: for some model
+types (qwen2 among them) transformers ignores the folder's tokenizer class and rebuilds the tokenizer as that
+family's byte-level BPE from the vocabulary, which silently dropped characters such as "\n". A byte-level BPE
+vocabulary survives that rebuild unchanged, so every stage sees the same ids (tested on every task character).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
@@ -16,15 +22,31 @@ PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
 PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte -> printable character map of byte-level BPE (GPT-2's): printable bytes map to themselves."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
 def build_char_tokenizer(chars: str) -> PreTrainedTokenizerFast:
-    """One token per character of `chars`, plus pad / eos / unk specials (ids 0, 1, 2)."""
+    """One token per character of `chars` (ids 3, 4, ... in order), plus pad / eos / unk specials (ids 0, 1, 2).
+    Characters outside `chars` are not part of any task; they map to <|unk|> in memory (a reloaded folder may
+    drop them instead)."""
     if len(set(chars)) != len(chars):
         raise ValueError(f"duplicate characters in tokenizer alphabet {chars!r}")
     specials = [PAD, EOS, UNK]
-    vocab = {tok: i for i, tok in enumerate(specials + list(chars))}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    byte_chars = _bytes_to_unicode()
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for c in chars:
+        vocab["".join(byte_chars[b] for b in c.encode())] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(specials)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, unk_token=UNK)
     hf.chat_template = PLAIN_CHAT_TEMPLATE
@@ -35,8 +57,21 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """An HF tokenizer folder, offline only (no hub look-ups)."""
     path = Path(path)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise FileNotFoundError(f"{path}: no tokenizer.json / tokenizer_config.json")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        raise FileNotFoundError(f"{path}: no tokenizer.json / tokenizer_config.json (not a tokenizer folder)")
+    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tok.eos_token_id is None:
+        raise ValueError(f"{path}: the tokenizer has no EOS token; completions could never end")
+    return tok
+
+
+def completion_text(tokenizer: PreTrainedTokenizerBase, tokens: list[int], stop_ids: list[int] | None = None) -> str:
+    """Decoded completion up to (not including) the first stop token (default: the tokenizer's EOS)."""
+    stops = set(stop_ids) if stop_ids else {tokenizer.eos_token_id}
+    for i, t in enumerate(tokens):
+        if t in stops:
+            tokens = tokens[:i]
+            break
+    return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, use_chat_template: bool) -> list[int]:
@@ -44,7 +79,8 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, use_chat_templa
     if use_chat_template:
         if tokenizer.chat_template is None:
             raise ValueError("tokenizer.use_chat_template = true but the tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                            add_generation_prompt=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -26,17 +26,37 @@ def run_rl(cfg: Config, world: World) -> None:
         if world.is_trainer:
             threads = torch.get_num_threads()
             if not cfg.job.threads_per_rank:  # the engines idle meanwhile: let the trainers use their cores
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) * world.world_size
-                                          // (world.local_world_size * len(world.trainer_ranks))))
+                torch.set_num_threads(
+                    max(
+                        1,
+                        (os.cpu_count() or 1) * world.world_size // (world.local_world_size * len(world.trainer_ranks)),
+                    )
+                )
             run_warmstart(cfg, world)
             torch.set_num_threads(threads)
         path = cfg.warmstart.path
     dist.barrier(group=world.control_group)  # inference ranks wait for the warm-start folder
+    tokenizer_path = preflight_rl(cfg, path)
     bucket = cfg.world.weight_bucket_mb * 1024**2
     if world.is_trainer:
-        run_trainer(cfg, world, path, bucket)
+        run_trainer(cfg, world, path, tokenizer_path, bucket)
     else:
-        run_inference(cfg, world, path, bucket)
+        run_inference(cfg, world, path, tokenizer_path, bucket)
+
+
+def preflight_rl(cfg: Config, model_path: str) -> str:
+    """Every rank, before any engine starts: the job's one tokenizer, and the sequence budget and vocabulary
+    checked against it. Returns the tokenizer folder."""
+    from pipelinerl_fsdp.models import read_model_args
+    from pipelinerl_fsdp.preflight import check_sequence_budget, check_vocab, tokenizer_folder
+    from pipelinerl_fsdp.tasks import make_task
+    from pipelinerl_fsdp.tokenizer import load_tokenizer
+
+    folder = tokenizer_folder(cfg, model_path)
+    tokenizer = load_tokenizer(folder)
+    check_sequence_budget(cfg, make_task(cfg.task), tokenizer)
+    check_vocab(cfg, read_model_args(model_path).vocab_size, tokenizer, f"model folder {model_path}")
+    return folder
 
 
 def run(cfg: Config) -> None:

@@ -36,9 +36,15 @@ def sum_over_ranks(values: list[float], group: dist.ProcessGroup | None, device:
     return t.tolist()
 
 
-def forward_backward(model: Transformer, micro_batches: list[dict[str, torch.Tensor]], loss_fn: LossFn,
-                     temperature: float, group: dist.ProcessGroup | None, device: torch.device,
-                     chunk_size: int = 1024) -> dict[str, float]:
+def forward_backward(
+    model: Transformer,
+    micro_batches: list[dict[str, torch.Tensor]],
+    loss_fn: LossFn,
+    temperature: float,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    chunk_size: int = 1024,
+) -> dict[str, float]:
     """Accumulate gradients over this rank's micro-batches (lockstep with the other ranks).
 
     Returns this rank's summed statistics (callers reduce them across ranks).
@@ -49,8 +55,13 @@ def forward_backward(model: Transformer, micro_batches: list[dict[str, torch.Ten
         real = i < len(micro_batches)
         mb = micro_batches[i] if real else _dummy_micro_batch(device)
         model.set_requires_gradient_sync(i == n - 1)  # reduce-scatter once per optimizer step
-        logp, ent = model(mb["input_ids"], mb["position_ids"], targets=mb["targets"], temperature=temperature,
-                          logprob_chunk_size=chunk_size)
+        logp, ent = model(
+            mb["input_ids"],
+            mb["position_ids"],
+            targets=mb["targets"],
+            temperature=temperature,
+            logprob_chunk_size=chunk_size,
+        )
         if real:
             loss, s = loss_fn(logp, ent, mb)
             for k, v in s.items():
@@ -62,21 +73,35 @@ def forward_backward(model: Transformer, micro_batches: list[dict[str, torch.Ten
 
 
 @torch.no_grad()
-def add_reference_logprobs(ref_model: Transformer, micro_batches: list[dict[str, torch.Tensor]],
-                           temperature: float, group: dist.ProcessGroup | None, device: torch.device,
-                           chunk_size: int = 1024) -> None:
+def add_reference_logprobs(
+    ref_model: Transformer,
+    micro_batches: list[dict[str, torch.Tensor]],
+    temperature: float,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+    chunk_size: int = 1024,
+) -> None:
     """Log-probs of the targets under a frozen reference model, stored as micro_batch["ref_logp"] (lockstep)."""
     n = agree_max(len(micro_batches), group, device)
     for i in range(n):
         mb = micro_batches[i] if i < len(micro_batches) else _dummy_micro_batch(device)
-        logp, _ = ref_model(mb["input_ids"], mb["position_ids"], targets=mb["targets"], temperature=temperature,
-                            logprob_chunk_size=chunk_size)
+        logp, _ = ref_model(
+            mb["input_ids"],
+            mb["position_ids"],
+            targets=mb["targets"],
+            temperature=temperature,
+            logprob_chunk_size=chunk_size,
+        )
         if i < len(micro_batches):
             micro_batches[i]["ref_logp"] = logp
 
 
-def clip_and_step(model: Transformer, optimizer: torch.optim.Optimizer,
-                  scheduler: torch.optim.lr_scheduler.LRScheduler, max_norm: float) -> float:
+def clip_and_step(
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    max_norm: float,
+) -> float:
     """Clip the global gradient norm, step optimizer and schedule; returns the pre-clip norm."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(norm, "full_tensor"):

@@ -63,9 +63,22 @@ def _pick_device(cfg: Config, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _vllm_rank(cfg: Config, rank: int, world_size: int) -> bool:
-    """An inference rank whose engine is vLLM: its own process stays off the GPU (vLLM's processes use them)."""
-    return cfg.job.stage == "rl" and cfg.inference.engine == "vllm" and rank >= world_size - cfg.world.inference_ranks
+def job_backend(cfg: Config) -> str:
+    """The collective backend, one decision for the whole job (from the machine, not the rank's role): a CPU-only
+    inference rank on a GPU node must pick the same backend as the trainers, or the ranks create different groups
+    (only NCCL jobs add the gloo control group) and hang."""
+    if cfg.world.backend != "auto":
+        return cfg.world.backend
+    return "nccl" if cfg.job.device != "cpu" and torch.cuda.is_available() else "gloo"
+
+
+def _engine_in_own_processes(cfg: Config, rank: int, world_size: int) -> bool:
+    """An inference rank whose engine runs in processes of its own (vLLM): the rank's process stays on CPU, the
+    engine's processes take the accelerators."""
+    from pipelinerl_fsdp.inference.factory import engine_kind
+
+    is_inference = rank >= world_size - cfg.world.inference_ranks
+    return cfg.job.stage == "rl" and is_inference and engine_kind(cfg).own_processes
 
 
 def init_world(cfg: Config) -> World:
@@ -74,28 +87,34 @@ def init_world(cfg: Config) -> World:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    vllm_engines = cfg.job.stage == "rl" and cfg.inference.engine == "vllm"
-    device = torch.device("cpu") if _vllm_rank(cfg, rank, world_size) else _pick_device(cfg, local_rank)
+    from pipelinerl_fsdp.inference.factory import engine_kind
+
+    engines_own_processes = cfg.job.stage == "rl" and engine_kind(cfg).own_processes
+    cpu_only = _engine_in_own_processes(cfg, rank, world_size)
+    device = torch.device("cpu") if cpu_only else _pick_device(cfg, local_rank)
     threads = cfg.job.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size)
     torch.set_num_threads(threads)
-    backend = cfg.world.backend
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
-    if backend == "nccl" and device.type != "cuda" and not _vllm_rank(cfg, rank, world_size):
+    backend = job_backend(cfg)
+    if backend == "nccl" and device.type != "cuda" and not cpu_only:
         raise ConfigError(f"world.backend = 'nccl' needs CUDA devices; this rank runs on {device} ({cfg.source})")
     if "MASTER_ADDR" not in os.environ:  # plain `python run_train.py`: a world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
         os.environ.update(RANK="0", WORLD_SIZE="1")
     if not dist.is_initialized():
         # nccl for the trainers' collectives, gloo for CPU-only ranks (vLLM inference ranks, the rollout group)
-        dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend, rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=cfg.world.timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=cfg.world.timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
     n_inf = cfg.world.inference_ranks
     if n_inf >= world_size:
-        raise ConfigError(f"world.inference_ranks = {n_inf} leaves no trainer rank: the job has {world_size} "
-                          f"rank(s) in all ({cfg.source})")
+        raise ConfigError(
+            f"world.inference_ranks = {n_inf} leaves no trainer rank: the job has {world_size} "
+            f"rank(s) in all ({cfg.source})"
+        )
     # Trainers take the low ranks: some torch state-dict helpers keep results on global rank 0 only.
     trainer_ranks = list(range(world_size - n_inf))
     inference_ranks = list(range(world_size - n_inf, world_size))
@@ -105,14 +124,28 @@ def init_world(cfg: Config) -> World:
     weight_group = rollout_group = None
     if inference_ranks:
         members = [trainer_ranks[0], *inference_ranks]
-        # vLLM: only the update headers travel here (the buckets go straight to vLLM's workers): gloo
-        weight_group = dist.new_group(members, backend="gloo" if vllm_engines else None)
+        # engines in their own processes: only the update headers travel here (the buckets go straight to the
+        # engine's workers), and the inference rank is CPU-only: gloo
+        weight_group = dist.new_group(members, backend="gloo" if engines_own_processes else None)
         rollout_group = dist.new_group(members, backend="gloo")  # rollouts are CPU data, even with NCCL
     mesh = None
     if rank in trainer_ranks:
         mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("dp",))
-    return World(rank, world_size, local_rank, local_world_size, device, backend, trainer_ranks, inference_ranks,
-                 trainer_group, mesh, weight_group, rollout_group, control_group)
+    return World(
+        rank,
+        world_size,
+        local_rank,
+        local_world_size,
+        device,
+        backend,
+        trainer_ranks,
+        inference_ranks,
+        trainer_group,
+        mesh,
+        weight_group,
+        rollout_group,
+        control_group,
+    )
 
 
 def shutdown() -> None:

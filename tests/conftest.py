@@ -19,20 +19,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_script(nproc: int, script: Path, *args: str, timeout: float = 900,
-                    threads: int = 1) -> subprocess.CompletedProcess:
+def torchrun_script(
+    nproc: int, script: Path, *args: str, timeout: float = 900, threads: int = 1
+) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node nproc script args...` on a fresh local rendezvous; output captured."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(script), *args]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 900, threads: int = 1) -> subprocess.CompletedProcess:
     """The real job: `torchrun ... run_train.py args...`."""
-    return torchrun_script(nproc, ROOT / "run_train.py", *args, f"--job.threads_per_rank={threads}",
-                           timeout=timeout, threads=threads)
+    return torchrun_script(
+        nproc, ROOT / "run_train.py", *args, f"--job.threads_per_rank={threads}", timeout=timeout, threads=threads
+    )
+
+
+def pipeline_lag_bound(batch_size: int, attempts: int, max_num_seqs: int, max_queued_groups: int, engines: int) -> int:
+    """The largest token lag the queues allow in pipeline mode. When a group's first token is sampled, the groups
+    that can be trained before it are at most: the trainer's receive queue (Q = batch_size / attempts groups) and
+    the one its thread holds, and per engine its send queue, the one its sender thread holds, the one its loop holds
+    while blocked on a full queue, and its other groups in flight (max_num_seqs / attempts, this one included). The
+    group is then trained at most ceil((those + 1) / Q) steps later."""
+    q = batch_size // attempts
+    ahead = q + 1 + engines * (max_queued_groups + 2 + max_num_seqs // attempts) - 1
+    return -(-(ahead + 1) // q)
 
 
 WARMSTART_ARGS = ("--config", "arithmetic", "--job.stage=warmstart", "--world.inference_ranks=0")

@@ -9,8 +9,9 @@ from pipelinerl_fsdp.inference.kv_cache import KVCache
 from pipelinerl_fsdp.models.decoder import Transformer
 
 
-def logprobs_old_kv_then_new(old: Transformer, new: Transformer, prompt: list[int], tokens: list[int], m: int,
-                             temperature: float) -> torch.Tensor:
+def logprobs_old_kv_then_new(
+    old: Transformer, new: Transformer, prompt: list[int], tokens: list[int], m: int, temperature: float
+) -> torch.Tensor:
     """Log-probs of tokens[m:] when the KV of prompt + tokens[:m-1] was computed by `old` and every later
     position by `new` (tokens[m-1] was sampled by `old` but fed to the model after the update)."""
     cache = KVCache(old.args, 1, len(prompt) + len(tokens) + 1)
@@ -34,11 +35,12 @@ def full_logprobs(model: Transformer, prompt: list[int], tokens: list[int], temp
     seq = torch.tensor([prompt + tokens])
     with torch.no_grad():
         lp, _ = model(seq[:, :-1], targets=seq[:, 1:], temperature=temperature)
-    return lp[0, len(prompt) - 1:]
+    return lp[0, len(prompt) - 1 :]
 
 
-def run_to_end(engine, reqs, update_after: int | None = None, new_model: Transformer | None = None,
-               recompute: bool = False) -> None:
+def run_to_end(
+    engine, reqs, update_after: int | None = None, new_model: Transformer | None = None, recompute: bool = False
+) -> None:
     """Add `reqs` and step `engine` until all finish; before step number `update_after` load `new_model`'s
     weights as version 1 (optionally recomputing the KV cache). Works for any engine with the common interface."""
     for r in reqs:

@@ -1,1 +1,2 @@
-"""Generation: KV cache, sampling, and (later) the engines that run on inference ranks."""
+"""Generation: the engine interface, its implementations (vLLM, the pure-PyTorch reference), their factory and
+placement, the KV cache and sampling of the reference engine, and the inference-rank loop (`worker.py`)."""

@@ -1,23 +1,23 @@
-"""The pure-PyTorch reference generation engine: continuous batching over a slot KV cache, in-flight weight loads.
+"""The generation-engine interface every inference rank drives, whatever runs underneath (vLLM, the reference).
 
-Requests wait until a slot is free, are prefilled (several packed in one forward), then advance one token per
-`step()` together; finished requests leave and free their slot for the next waiting one. Every sampled token
-records `self.version`, the policy version of the weights that produced it. Between two steps the caller may
-load new weights (`load`): in-progress requests keep their KV cache (computed by older weights) unless
-`recompute_kv()` re-prefills them under the new weights.
+An engine takes requests, advances them (`step`), and between two steps takes a weight update whose header the
+inference loop has just received, with exact per-token versions: every token records the policy version of the
+weights that produced it. The inference loop (`inference/worker.py`) only talks to this interface; the factory
+(`inference/factory.py`) is the one place that knows which engines exist.
 """
 
 from __future__ import annotations
 
-import time
-from collections import deque
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from pipelinerl_fsdp.inference.kv_cache import KVCache
-from pipelinerl_fsdp.inference.sampling import sample_next
-from pipelinerl_fsdp.models.decoder import Transformer
+if TYPE_CHECKING:
+    from pipelinerl_fsdp.config import Config
+    from pipelinerl_fsdp.transport.weights import WeightReceiver
+    from pipelinerl_fsdp.world import World
 
 
 @dataclass
@@ -28,118 +28,83 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    finished: bool = False  # stopped on EOS
+    finished: bool = False  # ended on a stop token (False: cut at max_tokens)
     slot: int = -1
 
 
-class ReferenceEngine:
-    def __init__(self, model: Transformer, max_num_seqs: int, max_len: int, eos_ids: list[int],
-                 temperature: float, top_p: float = 1.0, seed: int = 0) -> None:
-        self.model = model.eval()
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        self.cache = KVCache(model.args, max_num_seqs, max_len, self.device, self.dtype)
-        self.max_len = max_len
-        self.eos = set(eos_ids)
-        self.temperature, self.top_p = temperature, top_p
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.version = 0
-        self.waiting: deque[Request] = deque()
-        self.running: dict[int, Request] = {}  # slot -> request
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.generated_tokens, self.busy_s = 0, 0.0
+@dataclass
+class EngineSettings:
+    """What the factory resolves from the config and the world, the same for every engine kind."""
+
+    cfg: Config
+    world: World
+    model_path: str
+    tokenizer_path: str
+    # longest prompt + max_new_tokens: the engine's context length
+    max_len: int
+    # the ids that end a completion (tokenizer EOS + the model's generation_config eos ids), the same everywhere
+    stop_token_ids: list[int]
+    # weights of the engine and of the broadcast; where an engine in this process runs
+    dtype: torch.dtype
+    device: torch.device
+    seed: int
+    bucket_bytes: int
 
     @property
-    def params(self) -> dict[str, torch.Tensor]:
-        return dict(self.model.named_parameters())
+    def weight_src(self) -> int:
+        return self.world.trainer_ranks[0]
 
+
+class Engine(ABC):
+    """A continuous-batching generation engine with in-flight weight updates.
+
+    Update protocol, driven by the inference loop between two `step()` calls, after the header of an update has
+    arrived on the job's `WeightReceiver`:
+      pipeline / conventional: `load_update` pauses generation, receives the buckets, loads them and resumes;
+        sequences in flight continue under the new weights (their KV cache kept, or recomputed if asked);
+      async: `stage_update` receives the buckets without loading them, and `apply_staged` loads them once the
+        engine has drained (one version per sequence).
+    """
+
+    version: int = 0
+
+    @classmethod
+    @abstractmethod
+    def create(cls, settings: EngineSettings) -> tuple[Engine, WeightReceiver]:
+        """Start the engine and the receiver of weight-update headers (and, for engines in this process, of the
+        buckets). Collective with the first trainer rank where the engine's workers join a bucket group."""
+
+    @abstractmethod
     def add(self, request: Request) -> None:
-        if len(request.prompt_ids) + request.max_tokens > self.max_len:
-            raise ValueError(f"request {request.request_id}: prompt ({len(request.prompt_ids)}) + max_tokens "
-                             f"({request.max_tokens}) exceeds the engine's max_len {self.max_len}")
-        self.waiting.append(request)
+        """Submit a request; it starts when the engine has room."""
 
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
-    def busy_seconds(self) -> float:
-        """Time spent inside `step()`."""
-        return self.busy_s
-
-    @torch.no_grad()
-    def _prefill(self, reqs: list[Request], upto_last: bool) -> torch.Tensor:
-        """Fill the slots of `reqs` under the current weights; returns the logits after each sequence.
-
-        upto_last=False: the prompt of a new request. True (recompute): prompt + generated tokens except the
-        last one, which the next decode step feeds as usual.
-        """
-        seqs = [r.prompt_ids + (r.tokens[:-1] if upto_last else []) for r in reqs]
-        slots, pos = self.cache.begin_prefill([r.slot for r in reqs], [len(s) for s in seqs])
-        ids = torch.tensor([t for s in seqs for t in s], device=self.device)[None]
-        logits = self.model(ids, pos, cache=self.cache)[0]
-        self.cache.end_prefill()
-        last = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
-        return logits[last]
-
-    @torch.no_grad()
+    @abstractmethod
     def step(self) -> list[Request]:
-        """One engine step: every running request feeds its last token and samples the next; waiting requests
-        are admitted into free slots (prefill) and sample their first token. All logits of a step come from
-        the current weights, so each new token carries `self.version`. Returns the requests that finished."""
-        t0 = time.perf_counter()
-        batches: list[tuple[list[Request], torch.Tensor]] = []
-        if self.running:
-            reqs = [self.running[s] for s in sorted(self.running)]
-            slots = torch.tensor([r.slot for r in reqs], device=self.device)
-            pos = self.cache.begin_decode(slots)
-            ids = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
-            logits = self.model(ids, pos, cache=self.cache)[:, 0]
-            self.cache.end_decode()
-            batches.append((reqs, logits))
-        new = []
-        while self.waiting and self.free_slots:
-            r = self.waiting.popleft()
-            r.slot = self.free_slots.pop()
-            self.running[r.slot] = r
-            new.append(r)
-        if new:
-            batches.append((new, self._prefill(new, upto_last=False)))
-        if not batches:
-            return []
-        reqs = [r for b, _ in batches for r in b]
-        tok, lp = sample_next(torch.cat([l for _, l in batches]), self.temperature, self.top_p, self.generator)
-        done = []
-        for r, t, l in zip(reqs, tok.tolist(), lp.tolist()):
-            r.tokens.append(t)
-            r.logprobs.append(l)
-            r.versions.append(self.version)
-            if t in self.eos or len(r.tokens) >= r.max_tokens:
-                r.finished = t in self.eos
-                done.append(r)
-        for r in done:
-            del self.running[r.slot]
-            self.cache.free(r.slot)
-            self.free_slots.append(r.slot)
-        self.generated_tokens += len(reqs)
-        self.busy_s += time.perf_counter() - t0
-        return done
+        """Advance generation; returns the requests that finished since the last call (tokens, log-probs, versions
+        filled in). Raises if the engine has failed."""
 
-    @torch.no_grad()
-    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the weights (the job's weight receiver writes in place instead)."""
-        params = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
-        for name, t in named:
-            params[name].copy_(t)
+    @abstractmethod
+    def num_unfinished(self) -> int:
+        """Requests submitted and not yet returned by `step`."""
 
-    def set_version(self, version: int) -> None:
-        """Call after loading new weights into `self.params`; later tokens carry this version."""
-        self.version = version
+    @abstractmethod
+    def stats(self) -> tuple[int, float]:
+        """(completion tokens generated, seconds busy) so far: busy = at least one request in flight, less the
+        update pauses. Read both at once: the loop turns their deltas into rates and fractions."""
 
-    @torch.no_grad()
-    def recompute_kv(self) -> None:
-        """Re-prefill every running request under the current weights (the 'recompute' switch)."""
-        running = list(self.running.values())
-        for r in running:
-            self.cache.free(r.slot)
-        if running:
-            self._prefill(running, upto_last=True)
+    @abstractmethod
+    def load_update(self, receiver: WeightReceiver, version: int, recompute: bool) -> None:
+        """Take the update whose header just arrived: later tokens carry `version`. `recompute`: re-prefill the
+        sequences in flight under the new weights instead of keeping their KV cache."""
+
+    @abstractmethod
+    def stage_update(self, receiver: WeightReceiver) -> None:
+        """Receive the update whose header just arrived without loading it; generation goes on unchanged."""
+
+    @abstractmethod
+    def apply_staged(self, version: int) -> None:
+        """Load the staged update (call when no request is in flight); later tokens carry `version`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the engine (and any process it started); unfinished requests are dropped."""

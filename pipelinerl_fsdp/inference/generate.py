@@ -19,16 +19,23 @@ class Generation:
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, eos_id: int | list[int],
-             temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             batch_size: int = 256) -> list[Generation]:
+def generate(
+    model: Transformer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos_id: int | list[int],
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    batch_size: int = 256,
+) -> list[Generation]:
     """Generate a completion for each prompt (token ids). EOS is included in `tokens` when produced."""
     eos = torch.tensor([eos_id] if isinstance(eos_id, int) else list(eos_id))
     out: list[Generation] = []
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     for b0 in range(0, len(prompts), batch_size):
-        chunk = prompts[b0:b0 + batch_size]
+        chunk = prompts[b0 : b0 + batch_size]
         n = len(chunk)
         cache = KVCache(model.args, n, max(map(len, chunk)) + max_new_tokens, device, dtype)
         slots, pos = cache.begin_prefill(list(range(n)), [len(p) for p in chunk])
@@ -54,5 +61,5 @@ def generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int, 
             pos = cache.begin_decode(active)
             next_logits = model(tok[:, None].to(device), pos, cache=cache)[:, 0]
             cache.end_decode()
-        out.extend(Generation(t, l, bool(d)) for t, l, d in zip(tokens, logps, done.tolist()))
+        out.extend(Generation(t, lp, bool(d)) for t, lp, d in zip(tokens, logps, done.tolist()))
     return out

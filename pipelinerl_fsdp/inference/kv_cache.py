@@ -14,8 +14,14 @@ from pipelinerl_fsdp.models.args import ModelArgs
 class KVCache:
     """Keys/values [layers, slots, kv_heads, max_len, head_dim] and the filled length of each slot."""
 
-    def __init__(self, args: ModelArgs, num_slots: int, max_len: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        num_slots: int,
+        max_len: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         shape = (args.num_hidden_layers, num_slots, args.num_key_value_heads, max_len, args.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -41,8 +47,8 @@ class KVCache:
         assert self._slots is not None
         start = 0
         for slot, n in zip(self._slots.tolist(), self._prefill_lengths):
-            self.k[layer, slot, :, :n] = k[0, :, start:start + n]
-            self.v[layer, slot, :, :n] = v[0, :, start:start + n]
+            self.k[layer, slot, :, :n] = k[0, :, start : start + n]
+            self.v[layer, slot, :, :n] = v[0, :, start : start + n]
             start += n
 
     def end_prefill(self) -> None:
@@ -59,8 +65,9 @@ class KVCache:
         self._slots = slots
         return self.lengths[slots][:, None]
 
-    def attend_keys(self, layer: int, k: torch.Tensor, v: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def attend_keys(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Append k, v [n, kv_heads, 1, head_dim] and return all keys/values of the slots plus their mask."""
         slots = self._slots
         assert slots is not None

@@ -11,12 +11,20 @@ ranks than cores, shares cores and says so).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from pipelinerl_fsdp.config import Config, ConfigError
-from pipelinerl_fsdp.inference.vllm_engine import VLLMPlacement
 from pipelinerl_fsdp.world import World
+
+
+@dataclass
+class VLLMPlacement:
+    """Where an engine runs: CPU cores for vLLM's OpenMP threads, or GPU indices (one per tensor-parallel rank)."""
+
+    cpu_cores: str | None  # VLLM_CPU_OMP_THREADS_BIND value, e.g. "1" or "0-3|4-7"; None: vLLM's own choice
+    gpu_ids: list[int] | None  # CUDA_VISIBLE_DEVICES of the engine; None on CPU
 
 
 def engine_dtype(cfg: Config, device: torch.device) -> torch.dtype:
@@ -37,21 +45,28 @@ def vllm_placement(cfg: Config, world: World) -> VLLMPlacement:
         first = local_trainers + (world.local_rank - local_trainers) * tp
         ids = list(range(first, first + tp))
         if ids[-1] >= torch.cuda.device_count():
-            raise ConfigError(f"rank {world.rank}: its vLLM engine needs GPUs {ids} (inference.tensor_parallel_size "
-                              f"= {tp}, after the node's {local_trainers} trainer GPU(s)), but the node has "
-                              f"{torch.cuda.device_count()} ({cfg.source})")
+            raise ConfigError(
+                f"rank {world.rank}: its vLLM engine needs GPUs {ids} (inference.tensor_parallel_size "
+                f"= {tp}, after the node's {local_trainers} trainer GPU(s)), but the node has "
+                f"{torch.cuda.device_count()} ({cfg.source})"
+            )
         return VLLMPlacement(cpu_cores=None, gpu_ids=ids)
     n_cpu = os.cpu_count() or 1
     per = min(n_cpu, inf.cpu_cores_per_engine or cfg.job.threads_per_rank or max(1, n_cpu // world.local_world_size))
     # engines from the top core down (trainers' threads are not bound; they start from the bottom)
     first = max(0, n_cpu - (world.local_rank - local_trainers + 1) * per)
     if world.local_world_size * per > n_cpu:
-        print(f"[rank {world.rank}] warning: {world.local_world_size} ranks x {per} core(s) on a {n_cpu}-core node: "
-              f"oversubscribed; this engine shares cores {first}-{first + per - 1}", flush=True)
+        print(
+            f"[rank {world.rank}] warning: {world.local_world_size} ranks x {per} core(s) on a {n_cpu}-core node: "
+            f"oversubscribed; this engine shares cores {first}-{first + per - 1}",
+            flush=True,
+        )
     tp = inf.tensor_parallel_size
     if per % tp:
-        raise ConfigError(f"inference.cpu_cores_per_engine = {per} is not a multiple of "
-                          f"inference.tensor_parallel_size = {tp} ({cfg.source})")
+        raise ConfigError(
+            f"inference.cpu_cores_per_engine = {per} is not a multiple of "
+            f"inference.tensor_parallel_size = {tp} ({cfg.source})"
+        )
     step = per // tp
     cores = "|".join(f"{first + i * step}-{first + (i + 1) * step - 1}" for i in range(tp))
     return VLLMPlacement(cpu_cores=cores, gpu_ids=None)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor, temperature: float, top_p: float = 1.0, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [n, V] -> (tokens [n], logprobs [n]).
 
     temperature == 0 is greedy (logprob of the argmax under the untempered distribution). Otherwise the

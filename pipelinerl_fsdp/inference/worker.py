@@ -1,8 +1,8 @@
 """The inference-rank loop: keep the engine full of prompt groups, take in-flight weight updates between two engine
 steps, score finished groups (reward + group advantage: the preprocessor stage) and queue them to the trainer.
 
-The engine is vLLM (`AsyncVLLMEngine`: its workers receive the weight buckets themselves) or the reference engine
-(the buckets land in its parameters here); either way this loop polls the update header between engine steps.
+The loop talks to the engine only through `inference.engine.Engine` (built by `inference.factory`); it polls
+the weight-update header between engine steps and hands each update to the engine.
 
 `rl.mode` decides when an update takes effect:
   pipeline      at once, between two engine steps; sequences in flight continue under the new weights;
@@ -21,20 +21,15 @@ import torch
 
 from pipelinerl_fsdp.checkpoint import latest_checkpoint, read_meta
 from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
-from pipelinerl_fsdp.evaluation import completion_text
 from pipelinerl_fsdp.faults import maybe_fail
-from pipelinerl_fsdp.inference.engine import ReferenceEngine, Request
-from pipelinerl_fsdp.inference.placement import engine_dtype, vllm_placement
-from pipelinerl_fsdp.inference.vllm_engine import AsyncVLLMEngine
-from pipelinerl_fsdp.models import Transformer, load_hf_model, read_model_args
+from pipelinerl_fsdp.inference.engine import Request
+from pipelinerl_fsdp.inference.factory import build_engine
+from pipelinerl_fsdp.preflight import stop_token_ids
 from pipelinerl_fsdp.rl.advantages import group_advantages
-from pipelinerl_fsdp.tasks import Problem
-from pipelinerl_fsdp.tasks.arithmetic import ProblemStream
-from pipelinerl_fsdp.tokenizer import encode_prompt, load_tokenizer
+from pipelinerl_fsdp.tasks import Problem, ProblemStream, make_task
+from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer
 from pipelinerl_fsdp.transport.rollouts import RolloutSender, Sample
-from pipelinerl_fsdp.transport.store_group import store_address
-from pipelinerl_fsdp.transport.weights import STOP, WeightReceiver
-from pipelinerl_fsdp.warmstart import task_from_config
+from pipelinerl_fsdp.transport.weights import STOP
 from pipelinerl_fsdp.world import World
 
 
@@ -46,42 +41,16 @@ class _Group:
 
 
 class InferenceWorker:
-    def __init__(self, cfg: Config, world: World, model_path: str | Path, bucket_bytes: int) -> None:
+    def __init__(
+        self, cfg: Config, world: World, model_path: str | Path, tokenizer_path: str, bucket_bytes: int
+    ) -> None:
         self.cfg, self.world = cfg, world
-        self.tokenizer = load_tokenizer(model_path)
-        self.task = task_from_config(cfg)
+        self.tokenizer = load_tokenizer(tokenizer_path)
+        self.stop_ids = stop_token_ids(model_path, self.tokenizer)
+        self.task = make_task(cfg.task)
         inf = cfg.inference
-        prompt_len = max(len(encode_prompt(self.tokenizer, p.prompt, cfg.tokenizer.use_chat_template))
-                         for p in self.task.eval_split())
-        max_len = 2 * prompt_len + cfg.task.max_new_tokens
-        seed = cfg.job.seed * 1000 + world.rank
-        src = world.trainer_ranks[0]
-        dtype = engine_dtype(cfg, world.device if inf.engine == "reference" else
-                             torch.device("cuda" if world.backend == "nccl" else "cpu"))
-        self.engine: ReferenceEngine | AsyncVLLMEngine
-        if inf.engine == "vllm":
-            with torch.device("meta"):  # names and shapes of the broadcast, in the trainer's order
-                layout = [(n, p.shape) for n, p in Transformer(read_model_args(model_path)).named_parameters()]
-            self.engine = AsyncVLLMEngine(model_path, inf.max_num_seqs, max_len, inf.temperature, inf.top_p, seed,
-                                          str(dtype).removeprefix("torch."), vllm_placement(cfg, world),
-                                          inf.kv_cache_gib, inf.gpu_memory_utilization, inf.tensor_parallel_size,
-                                          start_timeout_s=cfg.world.timeout_s)
-            # header only on this process; the engine's workers join the bucket group with the first trainer rank
-            self.receiver = WeightReceiver(layout, world.weight_group, src, dtype, torch.device("cpu"), bucket_bytes)
-            tp = inf.tensor_parallel_size
-            self.engine.join_weight_group(*store_address(), 1 + world.inference_index * tp,
-                                          1 + len(world.inference_ranks) * tp, world.backend, cfg.world.timeout_s,
-                                          [(n, list(s)) for n, s in layout], str(dtype).removeprefix("torch."),
-                                          bucket_bytes)
-        else:
-            model = load_hf_model(model_path, world.device, dtype)
-            self.engine = ReferenceEngine(model, inf.max_num_seqs, max_len, [self.tokenizer.eos_token_id],
-                                          inf.temperature, inf.top_p, seed=seed)
-            params = self.engine.params
-            self.receiver = WeightReceiver([(n, p.shape) for n, p in params.items()], world.weight_group, src,
-                                           dtype, world.device, bucket_bytes)
-            self.receiver.bind(params)  # updates land straight in the engine's weights
-        self.sender = RolloutSender(world.rollout_group, src, inf.max_queued_groups)
+        self.engine, self.receiver = build_engine(cfg, world, str(model_path), tokenizer_path, bucket_bytes)
+        self.sender = RolloutSender(world.rollout_group, world.trainer_ranks[0], inf.max_queued_groups)
         n_inf = len(world.inference_ranks)
         self.stream = ProblemStream(self.task, cfg.job.seed, offset=world.inference_index, stride=n_inf)
         self.groups: dict[int, _Group] = {}
@@ -92,7 +61,6 @@ class InferenceWorker:
         self.stopped = False
         self.mode = cfg.rl.mode
         self._staged: int | None = None  # async mode: version received but not loaded yet
-        self._staging: dict[str, torch.Tensor] | None = None  # async mode, reference engine: received weights
         # conventional mode: groups this engine generates per round (the round's groups split over the engines)
         per_round = cfg.rl.sync_every * cfg.rl.batch_size // cfg.rl.attempts
         self._quota = per_round // n_inf + (world.inference_index < per_round % n_inf)
@@ -118,15 +86,8 @@ class InferenceWorker:
             self.stopped = True
             return
         t0 = time.perf_counter()  # the pause: from the header on (not the wait for it)
-        recompute = self.cfg.inference.recompute_kv_on_update
-        if isinstance(self.engine, AsyncVLLMEngine):
-            self.engine.update(version, recompute)  # its workers receive the buckets and reload
-            self.receiver.post()
-        else:
-            self.receiver.receive_buckets()  # into the engine's own parameters
-            self.engine.set_version(version)
-            if recompute:
-                self.engine.recompute_kv()
+        self.engine.load_update(self.receiver, version, self.cfg.inference.recompute_kv_on_update)
+        self.receiver.post()
         self.stats["update_pause_ms"] = (time.perf_counter() - t0) * 1000
 
     def _stage_update(self) -> None:
@@ -136,19 +97,8 @@ class InferenceWorker:
             self.stopped = True
             return
         t0 = time.perf_counter()
-        if isinstance(self.engine, AsyncVLLMEngine):
-            self.engine.stage_update()
-            self.receiver.post()
-        else:
-            if self._staging is None:
-                self._staging = {n: torch.empty_like(p) for n, p in self.engine.params.items()}
-            staging = self._staging
-
-            def keep(views: list[tuple[str, torch.Tensor]]) -> None:
-                for name, t in views:
-                    staging[name].copy_(t)
-
-            self.receiver.receive_buckets(load=keep, staged=True)
+        self.engine.stage_update(self.receiver)
+        self.receiver.post()
         self._staged = version  # a newer update overwrites an older staged one: only the latest is loaded
         self.stats["update_pause_ms"] = (time.perf_counter() - t0) * 1000
 
@@ -156,12 +106,7 @@ class InferenceWorker:
         """Async mode, engine drained: load the staged update."""
         assert self._staged is not None and self.engine.num_unfinished() == 0
         t0 = time.perf_counter()
-        if isinstance(self.engine, AsyncVLLMEngine):
-            self.engine.apply_staged(self._staged)
-        else:
-            assert self._staging is not None
-            self.engine.load_weights(list(self._staging.items()))
-            self.engine.set_version(self._staged)
+        self.engine.apply_staged(self._staged)
         self._staged = None
         self.stats["update_pause_ms"] += (time.perf_counter() - t0) * 1000
 
@@ -185,8 +130,8 @@ class InferenceWorker:
     def _snapshot_stats(self) -> None:
         """Engine counters and wall time read together: the trainer turns their deltas into rates and fractions
         (a vLLM engine keeps generating while this loop waits on backpressure, so a stale read would skew them)."""
-        self.stats["busy_s"] = self.engine.busy_seconds()
-        self.stats["gen_tokens"] = float(self.engine.generated_tokens)
+        tokens, busy = self.engine.stats()
+        self.stats["busy_s"], self.stats["gen_tokens"] = busy, float(tokens)
         self.stats["elapsed_s"] = time.perf_counter() - self._t0
 
     def _add_group(self) -> None:
@@ -207,10 +152,14 @@ class InferenceWorker:
             return
         del self.groups[gid]
         rl = self.cfg.rl
-        rewards = [self.task.reward(g.problem, completion_text(self.tokenizer, r.tokens)) for r in g.done]
+        rewards = [
+            self.task.reward(g.problem, completion_text(self.tokenizer, r.tokens, self.stop_ids)) for r in g.done
+        ]
         advs = group_advantages(rewards, rl.baseline, rl.std_normalize)
-        samples = [Sample(gid, g.prompt_ids, r.tokens, r.logprobs, r.versions, rw, a, r.finished)
-                   for r, rw, a in zip(g.done, rewards, advs)]
+        samples = [
+            Sample(gid, g.prompt_ids, r.tokens, r.logprobs, r.versions, rw, a, r.finished)
+            for r, rw, a in zip(g.done, rewards, advs)
+        ]
         # Backpressure: wait while the queue is full, but keep taking weight updates meanwhile.
         while not self.stopped:
             self._snapshot_stats()
@@ -240,10 +189,9 @@ class InferenceWorker:
             for r in finished:
                 self._finish(r)
         self.sender.close()
-        if isinstance(self.engine, AsyncVLLMEngine):
-            self.engine.close()
+        self.engine.close()
 
 
-def run_inference(cfg: Config, world: World, model_path: str | Path, bucket_bytes: int) -> None:
+def run_inference(cfg: Config, world: World, model_path: str | Path, tokenizer_path: str, bucket_bytes: int) -> None:
     torch.manual_seed(cfg.job.seed + world.rank)
-    InferenceWorker(cfg, world, model_path, bucket_bytes).run()
+    InferenceWorker(cfg, world, model_path, tokenizer_path, bucket_bytes).run()

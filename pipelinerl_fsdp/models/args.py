@@ -34,18 +34,14 @@ class ModelArgs:
     qkv_bias: bool = True
     o_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
-    rope_parameters: dict[str, Any] = field(
-        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
-    )
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in ARCHITECTURES:
-            raise ValueError(
-                f"model_type {self.model_type!r} is not supported; choose one of {sorted(ARCHITECTURES)}"
-            )
+            raise ValueError(f"model_type {self.model_type!r} is not supported; choose one of {sorted(ARCHITECTURES)}")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
@@ -78,11 +74,13 @@ class ModelArgs:
 
     # ---- HF config.json ---------------------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArgs:
         """Build from an HF `config.json` dict (transformers v4 `rope_theta/rope_scaling` or v5 `rope_parameters`)."""
         model_type = cfg.get("model_type")
         if model_type not in ARCHITECTURES:
-            raise ValueError(f"config.json model_type {model_type!r} is not supported; choose one of {sorted(ARCHITECTURES)}")
+            raise ValueError(
+                f"config.json model_type {model_type!r} is not supported; choose one of {sorted(ARCHITECTURES)}"
+            )
         hidden_act = cfg.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"config.json hidden_act {hidden_act!r} is not supported (only 'silu')")
@@ -152,17 +150,45 @@ class ModelArgs:
 
 # Named flavours for building a model from scratch (random init). "debug" is the ~0.8M-parameter CPU model.
 FLAVOURS: dict[str, ModelArgs] = {
-    "debug": ModelArgs(model_type="qwen2", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2),
-    "debug-llama": ModelArgs(model_type="llama", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, qkv_bias=False),
-    "debug-qwen3": ModelArgs(model_type="qwen3", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, qkv_bias=False,
-                             qk_norm=True),
+    "debug": ModelArgs(
+        model_type="qwen2",
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "debug-llama": ModelArgs(
+        model_type="llama",
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        qkv_bias=False,
+    ),
+    "debug-qwen3": ModelArgs(
+        model_type="qwen3",
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        qkv_bias=False,
+        qk_norm=True,
+    ),
     # ~100M parameters (with a 32k vocabulary): for CPU benchmarks of engines and weight sync.
-    "small": ModelArgs(model_type="qwen2", vocab_size=32768, hidden_size=768, intermediate_size=2048,
-                       num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                       tie_word_embeddings=True),
+    "small": ModelArgs(
+        model_type="qwen2",
+        vocab_size=32768,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+    ),
 }
 
 

@@ -25,8 +25,9 @@ class AttentionCache(Protocol):
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
-    def attend_keys(self, layer: int, k: torch.Tensor, v: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def attend_keys(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class RMSNorm(nn.Module):
@@ -115,8 +116,14 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: AttentionCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: AttentionCache | None = None,
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
@@ -152,8 +159,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: AttentionCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: AttentionCache | None = None,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -193,10 +206,17 @@ class Transformer(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, *,
-                targets: torch.Tensor | None = None, temperature: float = 1.0,
-                cache: AttentionCache | None = None, mask: torch.Tensor | None = None,
-                logprob_chunk_size: int = 1024) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        targets: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        cache: AttentionCache | None = None,
+        mask: torch.Tensor | None = None,
+        logprob_chunk_size: int = 1024,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, position_ids, targets: [B, T]. Without targets: logits [B, T, V] (fp32).
 
         With targets: (logp [B, T], entropy [B, T]) of `targets` under softmax(logits / temperature).
@@ -217,8 +237,9 @@ class Transformer(nn.Module):
         return token_logprobs(h, self.lm_head.weight, targets, temperature, logprob_chunk_size)
 
 
-def build_model(args: ModelArgs, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                seed: int | None = 0) -> Transformer:
+def build_model(
+    args: ModelArgs, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, seed: int | None = 0
+) -> Transformer:
     """Construct on the meta device, materialise on `device`, random-initialise."""
     with torch.device("meta"):
         model = Transformer(args)

@@ -51,8 +51,9 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_hf_model(folder: str | Path, device: torch.device | str = "cpu",
-                  dtype: torch.dtype = torch.float32) -> Transformer:
+def load_hf_model(
+    folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Transformer:
     """Our Transformer with the weights of an HF folder (strict: missing or unexpected names are an error)."""
     args = read_model_args(folder)
     with torch.device("meta"):
@@ -65,24 +66,34 @@ def load_hf_model(folder: str | Path, device: torch.device | str = "cpu",
     # Some exporters store rotary inv_freq buffers; they are derived from the config, never weights.
     unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
     if missing or unexpected:
-        raise ValueError(f"{folder}: checkpoint does not match config.json: missing {sorted(missing)[:8]}, "
-                         f"unexpected {sorted(unexpected)[:8]}")
+        raise ValueError(
+            f"{folder}: checkpoint does not match config.json: missing {sorted(missing)[:8]}, "
+            f"unexpected {sorted(unexpected)[:8]}"
+        )
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items() if k in expected}, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.to(device)
 
 
-def save_hf_folder(folder: str | Path, args: ModelArgs, state_dict: dict[str, torch.Tensor],
-                   max_shard_bytes: int = 2 * 1024**3, dtype: torch.dtype | None = None) -> None:
+def save_hf_folder(
+    folder: str | Path,
+    args: ModelArgs,
+    state_dict: dict[str, torch.Tensor],
+    max_shard_bytes: int = 2 * 1024**3,
+    dtype: torch.dtype | None = None,
+) -> None:
     """Write config.json and safetensors shards (with an index when more than one) that transformers and vLLM load.
 
     `state_dict` holds full (unsharded) tensors with HF names; the tied lm_head is not stored.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in state_dict.items()
-               if not (args.tie_word_embeddings and k == "lm_head.weight")}
+    tensors = {
+        k: v.detach().to("cpu", dtype or v.dtype).contiguous()
+        for k, v in state_dict.items()
+        if not (args.tie_word_embeddings and k == "lm_head.weight")
+    }
     stored_dtype = next(iter(tensors.values())).dtype
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

@@ -12,8 +12,9 @@ import torch
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # Outputs are allocated in the targets' shape (not views of flat buffers: FSDP2 hooks dislike views).
         out_logp = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
         out_entropy = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
@@ -43,8 +44,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         t, chunk = ctx.temperature, ctx.chunk_size
         grad_logp = grad_logp.reshape(-1)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         for s in range(0, hidden.shape[0], chunk):
             e = min(s + chunk, hidden.shape[0])
             logits = (hidden[s:e] @ weight.t()).float() / t
@@ -63,8 +65,9 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of `targets` and entropy under softmax(hidden @ weight.T / temperature).
 
     hidden: [..., D]; weight: [V, D]; targets: [...] token ids. Returns (logp, entropy) shaped like targets, in

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def group_advantages(rewards: Sequence[float], baseline: str = "mean", std_normalize: bool = False,
-                     eps: float = 1e-6) -> list[float]:
+def group_advantages(
+    rewards: Sequence[float], baseline: str = "mean", std_normalize: bool = False, eps: float = 1e-6
+) -> list[float]:
     """A_i = r_i - baseline of the group.
 
     baseline "mean": the group mean (PipelineRL's default); "loo": the mean of the *other* attempts

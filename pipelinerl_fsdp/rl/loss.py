@@ -1,5 +1,5 @@
-"""The policy-gradient objective (DESIGN.md): truncated importance-weighted REINFORCE, PPO-clip as an option,
-and an optional KL penalty to a frozen reference (k3 estimator).
+"""The policy-gradient objective (docs/objective.md): truncated importance-weighted REINFORCE, PPO-clip as an
+option, and an optional KL penalty to a frozen reference (k3 estimator).
 
 All inputs are per output token, flattened; `mask` is 1 on tokens that count (generated tokens), 0 elsewhere.
 """
@@ -19,15 +19,28 @@ class LossSettings:
     kl_coef: float = 0.0
 
 
-def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                num_sequences: float, settings: LossSettings,
-                ref_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+# |log pi_ref - log pi| is clamped here before exp() in the k3 estimator: one token the policy has moved far from
+# the reference would otherwise give an unbounded penalty and gradient (PipelineRL clamps it the same way).
+KL_LOG_RATIO_CLAMP = 10.0
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    num_sequences: float,
+    settings: LossSettings,
+    ref_logp: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch, normalised by `num_sequences` (B: sequences in the whole optimizer step).
 
     reinforce: L = -(1/B) sum_t sg(min(rho_t, c)) * A * log pi(a_t), rho_t = pi(a_t) / mu(a_t).
     ppo:       L = -(1/B) sum_t min(rho_t A, clip(rho_t, 1-eps, 1+eps) A)  (mu as the old policy).
     kl:        + kl_coef * (1/B) sum_t [exp(r - l) - (r - l) - 1], l = log pi, r = log pi_ref.
-    Returns the loss and summed statistics (sum_w, sum_w2, tokens, kl, clipped) for ESS and logging.
+    Returns the loss and summed statistics (sum_w, sum_w2, tokens, kl, clipped) for ESS and logging. ESS uses
+    the weights the update applies to the data: the truncated ones for REINFORCE, the unclipped ratios for PPO
+    (whose clipping acts on the objective, not on the weights).
     """
     log_ratio = (logp - behaviour_logp).clamp(max=30.0)  # exp() stays finite for wildly stale tokens
     rho = torch.exp(log_ratio)
@@ -35,21 +48,28 @@ def policy_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: to
     if settings.kind == "reinforce":
         per_token = -rho_bar * advantages * logp
         clipped = (rho > settings.is_clip).float()
+        weights = rho_bar
     elif settings.kind == "ppo":
         unclipped = rho * advantages
         clipped_obj = rho.clamp(1 - settings.ppo_eps, 1 + settings.ppo_eps) * advantages
         per_token = -torch.minimum(unclipped, clipped_obj)
         clipped = (clipped_obj < unclipped).float()
+        weights = rho.detach()
     else:
         raise ValueError(f"unknown loss kind {settings.kind!r}; choose 'reinforce' or 'ppo'")
     loss = (per_token * mask).sum()
     kl_sum = 0.0
     if ref_logp is not None and settings.kl_coef > 0:
-        d = ref_logp - logp
+        d = (ref_logp - logp).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
         kl = torch.exp(d) - d - 1
         loss = loss + settings.kl_coef * (kl * mask).sum()
         kl_sum = float((kl.detach() * mask).sum())
-    w = rho_bar * mask
-    stats = {"sum_w": float(w.sum()), "sum_w2": float((w * rho_bar).sum()), "tokens": float(mask.sum()),
-             "kl": kl_sum, "clipped": float((clipped * mask).sum())}
+    w = weights * mask
+    stats = {
+        "sum_w": float(w.sum()),
+        "sum_w2": float((w * weights).sum()),
+        "tokens": float(mask.sum()),
+        "kl": kl_sum,
+        "clipped": float((clipped * mask).sum()),
+    }
     return loss / num_sequences, stats

@@ -14,8 +14,9 @@ def pack_into_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
     """
     for i, n in enumerate(lengths):
         if n > budget:
-            raise ValueError(f"sequence {i} has {n} tokens, more than the micro-batch budget "
-                             f"trainer.micro_batch_tokens = {budget}")
+            raise ValueError(
+                f"sequence {i} has {n} tokens, more than the micro-batch budget trainer.micro_batch_tokens = {budget}"
+            )
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(range(len(lengths)), key=lambda j: -lengths[j]):
@@ -30,9 +31,11 @@ def pack_into_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def collate_packed(sequences: Sequence[Sequence[int]],
-                   per_token: Mapping[str, Sequence[Sequence[float]]] | None = None,
-                   device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def collate_packed(
+    sequences: Sequence[Sequence[int]],
+    per_token: Mapping[str, Sequence[Sequence[float]]] | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
     """Pack whole sequences into one row for next-token training.
 
     sequences[i] has n_i tokens and contributes n_i - 1 (input, target) pairs; per_token[name][i] has n_i - 1

@@ -8,107 +8,83 @@ fold: the long-tail regime where PipelineRL's in-flight updates matter most.
 from __future__ import annotations
 
 import random
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
 
-from torchdata.nodes import BaseNode
+from pipelinerl_fsdp.config import TaskConfig
+from pipelinerl_fsdp.tasks.base import GeneratedTask, Problem, register_task
 
 # Every character any arithmetic prompt or solution uses; the character tokenizer is built from it.
 ALPHABET = "0123456789+=:A\n"
-
-
-@dataclass(frozen=True)
-class Problem:
-    prompt: str
-    answer: str  # the verifiable final answer
-    solution: str  # a reference completion (without EOS), for the supervised warm start
-
-
-class Task(ABC):
-    """A problem generator with an exact reward and a fixed held-out split disjoint from training problems."""
-
-    name: str
-    alphabet: str = ALPHABET
-
-    def __init__(self, eval_size: int = 500, eval_seed: int = 1234) -> None:
-        self.eval_size, self.eval_seed = eval_size, eval_seed
-        self._eval: list[Problem] | None = None
-        self._eval_prompts: set[str] = set()
-
-    @abstractmethod
-    def sample(self, rng: random.Random) -> Problem: ...
-
-    @abstractmethod
-    def reward(self, problem: Problem, completion: str) -> float:
-        """1.0 for a correct completion (text before EOS), else 0.0."""
-
-    def eval_split(self) -> list[Problem]:
-        """The held-out evaluation problems: fixed by (eval_seed, eval_size), distinct prompts."""
-        if self._eval is None:
-            rng = random.Random(f"eval:{self.name}:{self.eval_seed}")
-            seen: dict[str, Problem] = {}
-            tries = 0
-            while len(seen) < self.eval_size:
-                p = self.sample(rng)
-                seen.setdefault(p.prompt, p)
-                tries += 1
-                if tries > 100 * self.eval_size:
-                    raise ValueError(f"task {self.name}: cannot draw {self.eval_size} distinct eval problems")
-            self._eval = list(seen.values())
-            self._eval_prompts = set(seen)
-        return self._eval
-
-    def train_problem(self, seed: int, index: int) -> Problem:
-        """Training problem number `index` of the stream `seed`: deterministic, never in the eval split."""
-        self.eval_split()
-        rng = random.Random(f"train:{self.name}:{seed}:{index}")
-        while True:
-            p = self.sample(rng)
-            if p.prompt not in self._eval_prompts:
-                return p
 
 
 def _number(rng: random.Random, digits: int) -> int:
     return rng.randrange(10 ** (digits - 1) if digits > 1 else 0, 10**digits)
 
 
-class Addition(Task):
+@dataclass
+class AdditionConfig(TaskConfig):
+    digits: int = 3
+
+    def check(self) -> list[tuple[str, str]]:
+        return super().check() + ([("digits", "between 1 and 18")] if not 1 <= self.digits <= 18 else [])
+
+
+@register_task("addition")
+class Addition(GeneratedTask):
     """a+b with `digits`-digit operands: "123+456=" -> "579"."""
 
-    name = "addition"
-
-    def __init__(self, digits: int = 3, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.digits = digits
+    config_class = AdditionConfig
+    alphabet = ALPHABET
+    cfg: AdditionConfig
 
     def sample(self, rng: random.Random) -> Problem:
-        a, b = _number(rng, self.digits), _number(rng, self.digits)
+        a, b = _number(rng, self.cfg.digits), _number(rng, self.cfg.digits)
         return Problem(prompt=f"{a}+{b}=", answer=str(a + b), solution=str(a + b))
 
     def reward(self, problem: Problem, completion: str) -> float:
         return float(completion.strip() == problem.answer)
 
+    def longest_prompt(self) -> str:
+        n = "9" * self.cfg.digits
+        return f"{n}+{n}="
 
-class ChainSum(Task):
+
+@dataclass
+class ChainSumConfig(TaskConfig):
+    digits: int = 2
+    min_terms: int = 2
+    max_terms: int = 8
+    max_new_tokens: int = 96
+
+    def check(self) -> list[tuple[str, str]]:
+        bad = super().check()
+        if not 1 <= self.digits <= 18:
+            bad.append(("digits", "between 1 and 18"))
+        if self.min_terms < 2:
+            bad.append(("min_terms", ">= 2"))
+        if self.max_terms < self.min_terms:
+            bad.append(("max_terms", f">= task.min_terms = {self.min_terms}"))
+        return bad
+
+
+@register_task("chain_sum")
+class ChainSum(GeneratedTask):
     """k-term sums worked step by step: "3+14+7=" -> "3+14=17\\n17+7=24\\nA:24"; k in [min_terms, max_terms]."""
 
-    name = "chain_sum"
-
-    def __init__(self, digits: int = 2, min_terms: int = 2, max_terms: int = 8, **kw: Any) -> None:
-        super().__init__(**kw)
-        if not 2 <= min_terms <= max_terms:
-            raise ValueError(f"chain_sum needs 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
-        self.digits, self.min_terms, self.max_terms = digits, min_terms, max_terms
+    config_class = ChainSumConfig
+    alphabet = ALPHABET
+    cfg: ChainSumConfig
 
     def sample(self, rng: random.Random) -> Problem:
-        terms = [_number(rng, self.digits) for _ in range(rng.randint(self.min_terms, self.max_terms))]
+        c = self.cfg
+        terms = [_number(rng, c.digits) for _ in range(rng.randint(c.min_terms, c.max_terms))]
         steps, total = [], terms[0]
         for t in terms[1:]:
             steps.append(f"{total}+{t}={total + t}")
             total += t
-        return Problem(prompt="+".join(map(str, terms)) + "=", answer=str(total),
-                       solution="\n".join(steps) + f"\nA:{total}")
+        return Problem(
+            prompt="+".join(map(str, terms)) + "=", answer=str(total), solution="\n".join(steps) + f"\nA:{total}"
+        )
 
     def reward(self, problem: Problem, completion: str) -> float:
         text = completion.rstrip()
@@ -116,36 +92,5 @@ class ChainSum(Task):
             return 0.0
         return float(text.rsplit("A:", 1)[1] == problem.answer)
 
-
-TASKS: dict[str, type[Task]] = {"addition": Addition, "chain_sum": ChainSum}
-
-
-def make_task(name: str, **kw: Any) -> Task:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}")
-    return TASKS[name](**kw)
-
-
-class ProblemStream(BaseNode[Problem]):
-    """An endless, resumable stream of training problems (torchdata node; state = next index).
-
-    With several consumers (data-parallel ranks, inference ranks) each takes every `stride`-th index from
-    `offset`, so the streams are disjoint and together cover the same sequence.
-    """
-
-    def __init__(self, task: Task, seed: int, offset: int = 0, stride: int = 1) -> None:
-        super().__init__()
-        self.task, self.seed, self.offset, self.stride = task, seed, offset, stride
-        self._index = offset
-
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        self._index = self.offset if initial_state is None else int(initial_state["index"])
-
-    def next(self) -> Problem:
-        p = self.task.train_problem(self.seed, self._index)
-        self._index += self.stride
-        return p
-
-    def get_state(self) -> dict[str, Any]:
-        return {"index": self._index}
+    def longest_prompt(self) -> str:
+        return "+".join(["9" * self.cfg.digits] * self.cfg.max_terms) + "="

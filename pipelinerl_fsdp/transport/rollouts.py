@@ -57,12 +57,12 @@ def decode_samples(n: int, ints: torch.Tensor, floats: torch.Tensor) -> list[Sam
     iv, fv = ints.tolist(), floats.tolist()
     out, i, f = [], 0, 0
     for _ in range(n):
-        gid, lp, lc, fin = iv[i:i + 4]
+        gid, lp, lc, fin = iv[i : i + 4]
         i += 4
-        prompt, comp, vers = iv[i:i + lp], iv[i + lp:i + lp + lc], iv[i + lp + lc:i + lp + 2 * lc]
+        prompt, comp, vers = iv[i : i + lp], iv[i + lp : i + lp + lc], iv[i + lp + lc : i + lp + 2 * lc]
         i += lp + 2 * lc
-        reward, adv = fv[f:f + 2]
-        logprobs = fv[f + 2:f + 2 + lc]
+        reward, adv = fv[f : f + 2]
+        logprobs = fv[f + 2 : f + 2 + lc]
         f += 2 + lc
         out.append(Sample(gid, prompt, comp, logprobs, vers, reward, adv, bool(fin)))
     if i != len(iv) or f != len(fv):
@@ -108,8 +108,9 @@ class RolloutSender:
             while True:
                 item = self._q.get()
                 if item is None:
-                    dist.send(torch.tensor([DONE, 0, 0, 0], dtype=torch.long), self.dst, group=self.group,
-                              tag=HEADER_TAG)
+                    dist.send(
+                        torch.tensor([DONE, 0, 0, 0], dtype=torch.long), self.dst, group=self.group, tag=HEADER_TAG
+                    )
                     return
                 samples, stats = item
                 ints, floats = encode_samples(samples)
@@ -144,6 +145,17 @@ class RolloutReceiver:
 
     def qsize(self) -> int:
         return self._q.qsize()
+
+    def finished(self) -> bool:
+        """Every sender has said DONE and everything received has been taken."""
+        return self.done.is_set() and self._q.empty()
+
+    def drain(self) -> None:
+        """After the trainer's last step: consume until every inference rank has said DONE (they may be blocked
+        sending), then join the thread."""
+        while not self.finished():
+            self.get(timeout=0.2)
+        self.join()
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)

@@ -1,7 +1,7 @@
 """A process group outside torchrun's default world, built on the job's TCPStore.
 
 vLLM's workers live in processes that vLLM spawns (engine core, tensor-parallel workers), not in the torchrun
-world, and an engine must not adopt the default group (FIELD_NOTES: it deadlocks). The first trainer rank and
+world, and an engine must not adopt the default group (it deadlocks: docs/vllm.md). The first trainer rank and
 those workers instead meet here: every member connects to the store that torchrun already serves at
 MASTER_ADDR:MASTER_PORT, under a prefix of its own, and builds a gloo (CPU) or NCCL (GPU) group with explicit
 ranks. Collectives then go through the group object itself (`group.broadcast([t], opts)`), since it is not
@@ -25,8 +25,9 @@ def store_address() -> tuple[str, int]:
         raise RuntimeError(f"{e.args[0]} is not set: store-built groups need a torchrun job") from None
 
 
-def join_store_group(host: str, port: int, name: str, rank: int, size: int, backend: str, device: torch.device,
-                     timeout_s: float) -> dist.ProcessGroup:
+def join_store_group(
+    host: str, port: int, name: str, rank: int, size: int, backend: str, device: torch.device, timeout_s: float
+) -> dist.ProcessGroup:
     """Join group `name` as `rank` of `size`; blocks until every member has joined (or `timeout_s`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.PrefixStore(f"pipelinerl/{name}/", dist.TCPStore(host, port, is_master=False, timeout=timeout))

@@ -69,7 +69,7 @@ class BucketLayout:
         for i in self.buckets[b]:
             name, shape = self.names_and_shapes[i]
             n = int(shape.numel())
-            out.append((name, flat[off:off + n].view(shape)))
+            out.append((name, flat[off : off + n].view(shape)))
             off += n
         return out
 
@@ -98,9 +98,17 @@ class PushStats:
 class WeightSender:
     """On every trainer rank (the gather is collective); only `src` broadcasts."""
 
-    def __init__(self, model: torch.nn.Module, group: dist.ProcessGroup | None, src: int, is_src: bool,
-                 dtype: torch.dtype, device: torch.device, bucket_bytes: int = 64 * 1024**2,
-                 bucket_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        group: dist.ProcessGroup | None,
+        src: int,
+        is_src: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        bucket_bytes: int = 64 * 1024**2,
+        bucket_group: dist.ProcessGroup | None = None,
+    ) -> None:
         """`device`: where the broadcast buffers live (CPU for gloo, the rank's GPU for NCCL).
         `bucket_group`: a store-built group for the buckets (vLLM workers); None: the buckets follow the header."""
         self.params = list(model.named_parameters())
@@ -110,8 +118,11 @@ class WeightSender:
         self.buckets = layer_buckets(sizes, torch.tensor([], dtype=dtype).element_size(), bucket_bytes)
         # Persistent send buffers: a fresh multi-100-MB tensor per push cost more (allocation, page faults)
         # than the broadcast itself (measured: benchmarks/weight_sync.py).
-        self._flat = [torch.empty(sum(sizes[i][1] for i in b), dtype=dtype, device=device) for b in self.buckets] \
-            if is_src else []
+        self._flat = (
+            [torch.empty(sum(sizes[i][1] for i in b), dtype=dtype, device=device) for b in self.buckets]
+            if is_src
+            else []
+        )
 
     def _header(self, kind: int, version: int) -> None:
         if self.is_src:
@@ -138,7 +149,7 @@ class WeightSender:
             if self.is_src:
                 flat, off = self._flat[b], 0
                 for t in full:
-                    flat[off:off + t.numel()].copy_(t.reshape(-1))
+                    flat[off : off + t.numel()].copy_(t.reshape(-1))
                     off += t.numel()
                 if self.bucket_group is not None:
                     broadcast_bucket(flat, self.bucket_group, 0, raw=True)
@@ -160,8 +171,15 @@ Loader = Callable[[list[tuple[str, torch.Tensor]]], None]
 class WeightReceiver:
     """On each inference rank. `names_and_shapes` in the sender's `named_parameters()` order."""
 
-    def __init__(self, names_and_shapes: list[tuple[str, torch.Size]], group: dist.ProcessGroup, src: int,
-                 dtype: torch.dtype, device: torch.device, bucket_bytes: int = 64 * 1024**2) -> None:
+    def __init__(
+        self,
+        names_and_shapes: list[tuple[str, torch.Size]],
+        group: dist.ProcessGroup,
+        src: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        bucket_bytes: int = 64 * 1024**2,
+    ) -> None:
         self.layout = BucketLayout(names_and_shapes, dtype, bucket_bytes)
         self.group, self.src, self.dtype, self.device = group, src, dtype, device
         self._buf: torch.Tensor | None = None  # scratch bucket for `receive(load)`, made on first use
@@ -180,8 +198,10 @@ class WeightReceiver:
             for name, view in self.layout.views(b, flat):
                 p = params[name]
                 if p.dtype != self.dtype or p.shape != view.shape:
-                    raise ValueError(f"weight sync: {name} is {p.dtype} {tuple(p.shape)}, the stream carries "
-                                     f"{self.dtype} {tuple(view.shape)}")
+                    raise ValueError(
+                        f"weight sync: {name} is {p.dtype} {tuple(p.shape)}, the stream carries "
+                        f"{self.dtype} {tuple(view.shape)}"
+                    )
                 view.copy_(p)
                 p.data = view
             self._bound.append(flat)
@@ -202,8 +222,10 @@ class WeightReceiver:
         self._work = None
         kind, version, n = self._header.tolist()
         if kind == UPDATE and n != len(self.layout.buckets):
-            raise RuntimeError(f"weight sync: sender has {n} buckets, receiver expects {len(self.layout.buckets)}: "
-                               "trainer and engine models differ")
+            raise RuntimeError(
+                f"weight sync: sender has {n} buckets, receiver expects {len(self.layout.buckets)}: "
+                "trainer and engine models differ"
+            )
         return kind, version
 
     @torch.no_grad()
@@ -213,11 +235,12 @@ class WeightReceiver:
         kind, version = self.wait_header()
         if kind == UPDATE:
             self.receive_buckets(load, staged)
+            self.post()
         return kind, version
 
     @torch.no_grad()
     def receive_buckets(self, load: Loader | None = None, staged: bool = False) -> None:
-        """After an update header: receive its buckets, then post the next header.
+        """After an update header: receive its buckets (then `post()` to wait for the next header).
 
         Each bucket lands in the bound parameters (see `bind`) or, with `staged` or when unbound, in a scratch
         buffer handed to `load`."""
@@ -231,4 +254,3 @@ class WeightReceiver:
             broadcast_bucket(buf, self.group, self.src, raw=False)
             if load is not None:
                 load(self.layout.views(b, buf))
-        self.post()

@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl_fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from pipelinerl_fsdp.config import load_config
+from pipelinerl_fsdp.config import OptimizerConfig, load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.optim import build_optimizer
 from pipelinerl_fsdp.parallelize import apply_fsdp, full_state_dict
 from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
 from pipelinerl_fsdp.train_step import clip_and_step, forward_backward
-from pipelinerl_fsdp.trainer import rl_micro_batches
+from pipelinerl_fsdp.rl.batching import rl_micro_batches
 from pipelinerl_fsdp.transport.rollouts import Sample
 from pipelinerl_fsdp.world import init_world
 
@@ -38,7 +38,7 @@ def batch(step: int, rank: int) -> list[Sample]:
 def fresh(world):
     model = build_model(ARGS, seed=0)
     apply_fsdp(model, world.trainer_mesh, torch.float32, torch.float32)
-    opt, sched = build_optimizer(model.parameters(), 1e-3, [0.9, 0.95], 1e-8, 0.01, 2, 10, "cosine", 0.1)
+    opt, sched = build_optimizer(model.parameters(), OptimizerConfig(lr=1e-3, weight_decay=0.01, warmup_steps=2), 10)
     return model, opt, sched
 
 

@@ -1,5 +1,5 @@
 """vLLM inside a torchrun job (engine core in its own process), exactly as the inference ranks run it: rank 0 plays
-the first trainer rank (WeightSender, buckets over the store-built group), rank 1 runs `AsyncVLLMEngine` and takes
+the first trainer rank (WeightSender, buckets over the store-built group), rank 1 runs `VLLMEngine` and takes
 updates whenever their header arrives, while requests are being generated.
 
 Phase 1 (keep KV): engine starts with `old`, the update carries `new` (version 1). Phase 2 (recompute): requests
@@ -26,7 +26,7 @@ from kv_reference import full_logprobs, logprobs_old_kv_then_new  # noqa: E402
 from pipelinerl_fsdp.config import Config  # noqa: E402
 from pipelinerl_fsdp.inference.engine import Request  # noqa: E402
 from pipelinerl_fsdp.inference.placement import vllm_placement  # noqa: E402
-from pipelinerl_fsdp.inference.vllm_engine import AsyncVLLMEngine  # noqa: E402
+from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine  # noqa: E402
 from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder  # noqa: E402
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET  # noqa: E402
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer  # noqa: E402
@@ -66,8 +66,8 @@ def main() -> None:
         sender.stop()
         dist.barrier()
         return
-    engine = AsyncVLLMEngine(work / "old", max_num_seqs=8, max_len=MAX_LEN, temperature=T, top_p=1.0, seed=0,
-                             dtype="float32", placement=vllm_placement(cfg, world), kv_cache_gib=1, ignore_eos=True)
+    engine = VLLMEngine(work / "old", max_num_seqs=8, max_len=MAX_LEN, temperature=T, top_p=1.0, seed=0,
+                        dtype="float32", placement=vllm_placement(cfg, world), kv_cache_gib=1, ignore_eos=True)
     receiver = WeightReceiver(layout, world.weight_group, 0, torch.float32, torch.device("cpu"), bucket)
     engine.join_weight_group(*store_address(), 1, 2, "gloo", 120, [(n, list(s)) for n, s in layout], "float32", bucket)
     models = {0: old, 1: new, 2: old}
@@ -86,7 +86,7 @@ def main() -> None:
             if not updated and receiver.pending():
                 kind, version = receiver.wait_header()
                 assert kind == UPDATE and version == phase, (kind, version)
-                engine.update(version, recompute)
+                engine.load_update(receiver, version, recompute)
                 receiver.post()
                 updated = True
             done += engine.step(timeout=0.002)
@@ -114,7 +114,7 @@ def main() -> None:
         assert split >= 1, "no request was in flight during the update"
         assert worst_before < 1e-4 and worst_after < 1e-4, "log-probs differ from the reference"
         assert min_gap > 1e-3, "keeping and recomputing the KV cache gave the same log-probs: the test proves nothing"
-    assert engine.generated_tokens == 8 + 2 * len(PROMPTS) * MAX_TOKENS
+    assert engine.stats()[0] == 8 + 2 * len(PROMPTS) * MAX_TOKENS
     dist.barrier()
     kind, _ = receiver.wait_header()
     assert kind == STOP

@@ -15,7 +15,8 @@ import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from pipelinerl_fsdp.models import load_hf_model  # noqa: E402
-from pipelinerl_fsdp.tasks import make_task  # noqa: E402
+from pipelinerl_fsdp.tasks import make_task
+from pipelinerl_fsdp.tasks.arithmetic import AdditionConfig  # noqa: E402
 from pipelinerl_fsdp.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def main() -> None:
     llm = LLM(model=path, dtype="float32", max_model_len=64, max_num_seqs=16, seed=0, enforce_eager=True,
               logprobs_mode="processed_logprobs")
     tok = load_tokenizer(path)
-    prompts = [p.prompt for p in make_task("addition", digits=3, eval_size=8).eval_split()]
+    prompts = [p.prompt for p in make_task(AdditionConfig(digits=3, eval_size=8)).eval_split()]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     params = SamplingParams(temperature=0.7, max_tokens=8, logprobs=0, seed=1)
     outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)

@@ -5,8 +5,9 @@ import copy
 import torch
 
 from kv_reference import full_logprobs, logprobs_old_kv_then_new, run_to_end
-from pipelinerl_fsdp.inference.engine import ReferenceEngine, Request
+from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.generate import generate
+from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
 from pipelinerl_fsdp.models import build_model, flavour_args
 
 ARGS = flavour_args("debug", vocab_size=40)
@@ -37,8 +38,7 @@ def test_in_flight_update_keeps_kv_and_tags_versions():
         assert m == 4 and r.versions == [0] * 4 + [1] * 8  # version changes inside the sequence
         lp = torch.tensor(r.logprobs)
         torch.testing.assert_close(lp[:m], full_logprobs(old, p, r.tokens, T)[:m], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(lp[m:], logprobs_old_kv_then_new(old, new, p, r.tokens, m, T), rtol=1e-5,
-                                   atol=1e-5)
+        torch.testing.assert_close(lp[m:], logprobs_old_kv_then_new(old, new, p, r.tokens, m, T), rtol=1e-5, atol=1e-5)
         # ...and it really is different from recomputing everything under the new weights
         assert (lp[m:] - full_logprobs(new, p, r.tokens, T)[m:]).abs().max() > 1e-3
 
@@ -52,5 +52,6 @@ def test_in_flight_update_with_recompute_matches_fresh_forward():
     for r, p in zip(reqs, prompts):
         m = r.versions.count(0)
         assert r.versions == [0] * m + [1] * (10 - m) and m == 3
-        torch.testing.assert_close(torch.tensor(r.logprobs[m:]), full_logprobs(new, p, r.tokens, T)[m:],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(r.logprobs[m:]), full_logprobs(new, p, r.tokens, T)[m:], rtol=1e-5, atol=1e-5
+        )

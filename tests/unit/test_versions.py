@@ -24,8 +24,9 @@ def test_an_update_after_the_last_token_changes_nothing():
 
 def test_stopping_children_kills_the_whole_subtree():
     # a child that starts a grandchild, as vLLM's engine core starts its workers
-    child = subprocess.Popen([sys.executable, "-c",
-                              "import subprocess, sys, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"])
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"]
+    )
     deadline = time.time() + 10
     while len(_descendants(child.pid)) < 1 and time.time() < deadline:
         time.sleep(0.05)

@@ -15,19 +15,37 @@ FAMILIES = {
     "qwen2": dict(model_type="qwen2", qkv_bias=True),
     "llama": dict(model_type="llama", qkv_bias=False),
     "llama-bias-llama3rope": dict(
-        model_type="llama", qkv_bias=True, o_bias=True, max_position_embeddings=64,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
-    "llama-linear-rope": dict(model_type="llama", qkv_bias=False,
-                              rope_parameters={"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}),
+        model_type="llama",
+        qkv_bias=True,
+        o_bias=True,
+        max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    "llama-linear-rope": dict(
+        model_type="llama", qkv_bias=False, rope_parameters={"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}
+    ),
     "qwen3": dict(model_type="qwen3", qkv_bias=False, qk_norm=True, head_dim=24),
     "qwen2-tied": dict(model_type="qwen2", qkv_bias=True, tie_word_embeddings=True),
 }
 
 
 def tiny_args(**kw) -> ModelArgs:
-    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, rms_norm_eps=1e-6)
+    base = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+    )
     base.update(kw)
     return ModelArgs(**base)
 

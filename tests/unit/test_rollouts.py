@@ -14,15 +14,28 @@ def test_ragged_roundtrip():
     for g in range(5):
         for _ in range(rng.randint(1, 4)):
             n = rng.randint(0, 30)
-            samples.append(Sample(g, [rng.randint(0, 99) for _ in range(rng.randint(1, 20))],
-                                  [rng.randint(0, 99) for _ in range(n)], [-rng.random() for _ in range(n)],
-                                  [rng.randint(0, 7) for _ in range(n)], float(rng.randint(0, 1)),
-                                  rng.random() - 0.5, rng.random() < 0.5))
+            samples.append(
+                Sample(
+                    g,
+                    [rng.randint(0, 99) for _ in range(rng.randint(1, 20))],
+                    [rng.randint(0, 99) for _ in range(n)],
+                    [-rng.random() for _ in range(n)],
+                    [rng.randint(0, 7) for _ in range(n)],
+                    float(rng.randint(0, 1)),
+                    rng.random() - 0.5,
+                    rng.random() < 0.5,
+                )
+            )
     ints, floats = encode_samples(samples)
     back = decode_samples(len(samples), ints, floats)
     for a, b in zip(samples, back):
-        assert (a.group_id, a.prompt_ids, a.completion_ids, a.versions, a.finished) == \
-               (b.group_id, b.prompt_ids, b.completion_ids, b.versions, b.finished)
+        assert (a.group_id, a.prompt_ids, a.completion_ids, a.versions, a.finished) == (
+            b.group_id,
+            b.prompt_ids,
+            b.completion_ids,
+            b.versions,
+            b.finished,
+        )
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-7)  # float32 on the wire
         assert b.reward == a.reward and b.advantage == pytest.approx(a.advantage, abs=1e-7)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import torchrun
+from conftest import pipeline_lag_bound, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +26,21 @@ def warm_folder(default_warmstart) -> Path:
 
 
 def run_mode(warm: Path, out: Path, mode: str, *extra: str) -> list[dict]:
-    r = torchrun(2, "--config", "arithmetic", f"--model.path={warm}", f"--job.output_dir={out}",
-                 f"--rl.mode={mode}", "--rl.max_steps=12", "--rl.batch_size=32", "--rl.attempts=4",
-                 "--inference.max_num_seqs=16", "--rl.eval_every=0", *extra, timeout=600)
+    r = torchrun(
+        2,
+        "--config",
+        "arithmetic",
+        f"--model.path={warm}",
+        f"--job.output_dir={out}",
+        f"--rl.mode={mode}",
+        "--rl.max_steps=12",
+        "--rl.batch_size=32",
+        "--rl.attempts=4",
+        "--inference.max_num_seqs=16",
+        "--rl.eval_every=0",
+        *extra,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     recs = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in recs] == list(range(1, 13))
@@ -47,18 +59,26 @@ def test_conventional_mode_one_version_per_sequence_and_lag_below_g(warm_folder,
     assert max(x["lag_max"] for x in recs) == g - 1
 
 
-@pytest.mark.parametrize("engine", [
-    "reference",
-    pytest.param("vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                                  reason="vLLM not installed"))])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "reference",
+        pytest.param(
+            "vllm", marks=pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM not installed")
+        ),
+    ],
+)
 def test_async_mode_one_version_per_sequence_with_overlap(warm_folder, tmp_path, engine):
     recs = run_mode(warm_folder, tmp_path, "async", f"--inference.engine={engine}")
     assert all(x["mixed_version_frac"] == 0 for x in recs)
     assert max(x["lag_max"] for x in recs) >= 1  # the engine generated while the trainer trained
-    assert all(x["lag_max"] <= 8 for x in recs)
+    # async adds at most one version (a sequence started just before a staged update is drained under it)
+    assert max(x["lag_max"] for x in recs) <= pipeline_lag_bound(32, 4, 16, 2, 1) + 1
+    assert recs[-1]["dropped_stale"] == 0
 
 
 def test_pipeline_mode_updates_inside_sequences_with_bounded_lag(warm_folder, tmp_path):
     recs = run_mode(warm_folder, tmp_path, "pipeline", "--inference.engine=reference")
     assert any(x["mixed_version_frac"] > 0 for x in recs)
-    assert all(x["lag_max"] <= 8 for x in recs)
+    assert max(x["lag_max"] for x in recs) <= pipeline_lag_bound(32, 4, 16, 2, 1)
+    assert recs[-1]["dropped_stale"] == 0

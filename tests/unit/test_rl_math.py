@@ -71,3 +71,39 @@ def test_ess_is_one_on_policy_and_below_one_off_policy():
     _, s = policy_loss(logp, logp + 0.5 * torch.randn(50), torch.ones(50), torch.ones(50), 1, LossSettings())
     assert 0 < ess_from_sums(s["sum_w"], s["sum_w2"], s["tokens"]) < 0.99
     assert math.isnan(ess_from_sums(0, 0, 0))
+
+
+def test_ppo_changes_the_update():
+    # off-policy tokens (rho = 1.5 and 0.5): PPO's clipped objective zeroes the gradient where the ratio left the
+    # trust region in the advantage's direction; REINFORCE weights every token by rho_bar.
+    mu = torch.zeros(2)
+    adv = torch.tensor([1.0, -1.0])
+    grads = {}
+    for kind in ("reinforce", "ppo"):
+        logp = torch.tensor([math.log(1.5), math.log(0.5)], requires_grad=True)
+        loss, _ = policy_loss(logp, mu, adv, torch.ones(2), 1, LossSettings(kind=kind, ppo_eps=0.2))
+        loss.backward()
+        grads[kind] = logp.grad.tolist()
+    assert grads["reinforce"] == pytest.approx([-1.5, 0.5])
+    assert grads["ppo"] == pytest.approx(
+        [0.0, 0.0]
+    )  # both tokens are clipped: 1.5 > 1.2 with A > 0, 0.5 < 0.8 with A < 0
+
+
+def test_ppo_ess_uses_the_unclipped_ratios():
+    logp = torch.tensor([math.log(8.0), 0.0])
+    mu = torch.zeros(2)
+    _, s = policy_loss(logp, mu, torch.ones(2), torch.ones(2), 1, LossSettings(kind="ppo", is_clip=5.0))
+    assert s["sum_w"] == pytest.approx(9.0) and s["sum_w2"] == pytest.approx(65.0)  # 8 is not truncated to 5
+    _, s = policy_loss(logp, mu, torch.ones(2), torch.ones(2), 1, LossSettings(kind="reinforce", is_clip=5.0))
+    assert s["sum_w"] == pytest.approx(6.0)  # REINFORCE: the truncated weights it applies
+
+
+def test_kl_log_ratio_is_clamped():
+    logp = torch.tensor([-30.0], requires_grad=True)  # the reference gives this token probability ~1
+    loss, s = policy_loss(
+        logp, logp.detach(), torch.zeros(1), torch.ones(1), 1, LossSettings(kl_coef=1.0), torch.tensor([0.0])
+    )
+    assert s["kl"] == pytest.approx(math.exp(10) - 10 - 1, rel=1e-5)  # not exp(30)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all()

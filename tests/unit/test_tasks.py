@@ -4,12 +4,13 @@ import random
 
 import pytest
 
-from pipelinerl_fsdp.tasks import make_task
-from pipelinerl_fsdp.tasks.arithmetic import ALPHABET, ProblemStream
+from pipelinerl_fsdp.config import TaskConfig
+from pipelinerl_fsdp.tasks import ProblemStream, make_task
+from pipelinerl_fsdp.tasks.arithmetic import ALPHABET, AdditionConfig, ChainSumConfig
 
 
 def test_addition_problem_and_reward():
-    task = make_task("addition", digits=3)
+    task = make_task(AdditionConfig(digits=3))
     p = task.sample(random.Random(0))
     a, b = map(int, p.prompt.rstrip("=").split("+"))
     assert 100 <= a <= 999 and 100 <= b <= 999
@@ -20,7 +21,7 @@ def test_addition_problem_and_reward():
 
 
 def test_chain_sum_steps_and_varied_lengths():
-    task = make_task("chain_sum", digits=2, min_terms=2, max_terms=8)
+    task = make_task(ChainSumConfig(name="chain_sum", digits=2, min_terms=2, max_terms=8))
     rng = random.Random(1)
     problems = [task.sample(rng) for _ in range(300)]
     for p in problems:
@@ -36,10 +37,11 @@ def test_chain_sum_steps_and_varied_lengths():
 
 
 def test_eval_split_fixed_and_disjoint_from_training():
-    task = make_task("addition", digits=1, eval_size=30, eval_seed=7)
+    task = make_task(AdditionConfig(digits=1, eval_size=30, eval_seed=7))
     split = task.eval_split()
-    assert [p.prompt for p in split] == [p.prompt for p in make_task("addition", digits=1, eval_size=30,
-                                                                        eval_seed=7).eval_split()]
+    assert [p.prompt for p in split] == [
+        p.prompt for p in make_task(AdditionConfig(digits=1, eval_size=30, eval_seed=7)).eval_split()
+    ]
     assert len({p.prompt for p in split}) == 30
     eval_prompts = {p.prompt for p in split}
     train = [task.train_problem(0, i).prompt for i in range(500)]
@@ -47,7 +49,7 @@ def test_eval_split_fixed_and_disjoint_from_training():
 
 
 def test_stream_resumes_exactly_and_strides_disjoint():
-    task = make_task("addition", digits=3)
+    task = make_task(AdditionConfig(digits=3))
     s = ProblemStream(task, seed=3)
     for _ in range(5):
         next(s)
@@ -64,5 +66,5 @@ def test_stream_resumes_exactly_and_strides_disjoint():
 
 
 def test_unknown_task():
-    with pytest.raises(ValueError, match="unknown task"):
-        make_task("poetry")
+    with pytest.raises(ValueError, match="unknown task 'poetry'; registered tasks: addition, chain_sum"):
+        make_task(TaskConfig(name="poetry"))

@@ -16,7 +16,7 @@ def test_cached_greedy_equals_full_recompute():
         for _ in range(len(o.tokens)):
             with torch.no_grad():
                 seq.append(int(model(torch.tensor([seq]))[0, -1].argmax()))
-        assert o.tokens == seq[len(p):]
+        assert o.tokens == seq[len(p) :]
 
 
 def test_sampled_logprobs_equal_trainer_logprobs():
@@ -29,7 +29,7 @@ def test_sampled_logprobs_equal_trainer_logprobs():
         seq = torch.tensor([p + o.tokens])
         with torch.no_grad():
             lp, _ = model(seq[:, :-1], targets=seq[:, 1:], temperature=0.7)
-        torch.testing.assert_close(lp[0, len(p) - 1:], torch.tensor(o.logprobs), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lp[0, len(p) - 1 :], torch.tensor(o.logprobs), rtol=1e-5, atol=1e-5)
 
 
 def test_top_p_logprob_is_of_the_renormalised_nucleus():

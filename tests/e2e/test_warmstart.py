@@ -12,8 +12,8 @@ from conftest import WARMSTART_ARGS, torchrun
 from pipelinerl_fsdp.config import load_config
 from pipelinerl_fsdp.evaluation import greedy_accuracy
 from pipelinerl_fsdp.models import load_hf_model
+from pipelinerl_fsdp.tasks import make_task
 from pipelinerl_fsdp.tokenizer import load_tokenizer
-from pipelinerl_fsdp.warmstart import task_from_config
 
 pytestmark = pytest.mark.slow
 WARMSTART = WARMSTART_ARGS
@@ -29,8 +29,7 @@ def test_default_warmstart_reaches_40_percent_and_is_reused(default_warmstart, t
 
     # Independently re-measure the saved folder's accuracy (not trusting the logged number).
     cfg = load_config(list(WARMSTART))
-    acc = greedy_accuracy(load_hf_model(folder), task_from_config(cfg), load_tokenizer(folder),
-                          cfg.task.max_new_tokens)
+    acc = greedy_accuracy(load_hf_model(folder), make_task(cfg.task), load_tokenizer(folder), cfg.task.max_new_tokens)
     assert acc >= 0.40
     assert abs(acc - records[-1]["eval_accuracy"]) < 1e-9
 
@@ -52,8 +51,14 @@ def test_default_warmstart_reaches_40_percent_and_is_reused(default_warmstart, t
 def test_two_fsdp_ranks_match_one_rank(tmp_path):
     """Same problems per step (ranks take interleaved indices), loss normalised by the global token count:
     2-rank FSDP training must give the same weights as 1 rank."""
-    common = [*WARMSTART, "--warmstart.steps=8", "--warmstart.eval_every=8",
-              "--task.eval_size=16", "--metrics.log_every=4", "--trainer.micro_batch_tokens=64"]
+    common = [
+        *WARMSTART,
+        "--warmstart.steps=8",
+        "--warmstart.eval_every=8",
+        "--task.eval_size=16",
+        "--metrics.log_every=4",
+        "--trainer.micro_batch_tokens=64",
+    ]
     for n in (1, 2):
         r = torchrun(n, *common, f"--warmstart.path={tmp_path}/ws{n}", f"--job.output_dir={tmp_path}/out{n}")
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -75,7 +80,13 @@ def test_bad_config_fails_fast_naming_the_key(tmp_path):
 
 
 def test_too_small_generation_budget_is_an_error(tmp_path):
-    r = torchrun(1, *WARMSTART, "--task.max_new_tokens=3", f"--warmstart.path={tmp_path}/ws",
-                 f"--job.output_dir={tmp_path}/out", timeout=180)
+    r = torchrun(
+        1,
+        *WARMSTART,
+        "--task.max_new_tokens=3",
+        f"--warmstart.path={tmp_path}/ws",
+        f"--job.output_dir={tmp_path}/out",
+        timeout=180,
+    )
     assert r.returncode != 0
     assert "task.max_new_tokens = 3 is too small" in r.stderr

@@ -1,0 +1,113 @@
+"""On the first trainer rank: assembles each optimizer step's batch of whole groups from the rollout receiver.
+
+Rules (the pure parts are functions below, unit-tested):
+- a group is stale when its oldest token is more than `rl.max_lag` versions behind the trainer; stale groups are
+  dropped whole (their advantages were computed over the whole group), and counted in samples and groups;
+- with `rl.filter_zero_advantage`, groups whose attempts all scored the same are dropped (and counted);
+- groups left over after a batch is full wait for the next step and are checked for staleness again then;
+- conventional mode: the whole round of `rl.sync_every` batches is collected at the round's first step (the
+  engines generate it all with one version, then idle) and handed out one batch per step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pipelinerl_fsdp.config import RLConfig
+from pipelinerl_fsdp.rl.advantages import is_zero_advantage_group
+from pipelinerl_fsdp.transport.rollouts import Sample
+
+Group = list[Sample]
+
+
+class GroupSource(Protocol):
+    """What the collector reads from (the rollout receiver; a fake in unit tests)."""
+
+    def get(self, timeout: float) -> tuple[int, Group, dict[str, float]] | None: ...
+
+    def qsize(self) -> int: ...
+
+    def finished(self) -> bool: ...
+
+
+def group_lag(group: Group, version: int) -> int:
+    """Versions between the trainer's `version` and the group's oldest token."""
+    return version - min((v for s in group for v in s.versions), default=version)
+
+
+def split_stale(groups: list[Group], version: int, max_lag: int) -> tuple[list[Group], list[Group]]:
+    """(fresh groups, stale groups) at trainer version `version`, order kept."""
+    fresh = [g for g in groups if group_lag(g, version) <= max_lag]
+    stale = [g for g in groups if group_lag(g, version) > max_lag]
+    return fresh, stale
+
+
+@dataclass
+class CollectorCounts:
+    dropped_samples: int = 0
+    dropped_groups: int = 0
+    filtered_samples: int = 0
+    filtered_groups: int = 0
+
+
+@dataclass
+class Collector:
+    source: GroupSource
+    rl: RLConfig
+    n_engines: int
+    counts: CollectorCounts = field(default_factory=CollectorCounts)
+    buffer: list[Group] = field(default_factory=list)
+    engine_stats: dict[int, dict[str, float]] = field(default_factory=dict)
+    # inference index -> newest group id received from it (for the prompt streams' resume positions)
+    max_gid: dict[int, int] = field(default_factory=dict)
+    _round: list[list[Sample]] = field(default_factory=list)
+
+    def stream_next(self) -> dict[str, int]:
+        """Per inference index, the prompt-stream position after the newest group received (for resume)."""
+        return {str(k): v + self.n_engines for k, v in self.max_gid.items()}
+
+    def queued_samples(self) -> int:
+        return self.source.qsize() * self.rl.attempts + sum(len(g) for g in self.buffer)
+
+    def next_batch(self, version: int, timeout_s: float) -> list[Sample]:
+        """The next step's batch (`rl.batch_size` samples of whole groups) for trainer version `version`."""
+        if self.rl.mode != "conventional":
+            return self._collect(version, timeout_s)
+        if not self._round:  # the whole round first: the engines generate it all, then idle
+            self._round = [self._collect(version, timeout_s) for _ in range(self.rl.sync_every)]
+        return self._round.pop(0)
+
+    def _drop_stale(self, groups: list[Group], version: int) -> list[Group]:
+        fresh, stale = split_stale(groups, version, self.rl.max_lag)
+        self.counts.dropped_groups += len(stale)
+        self.counts.dropped_samples += sum(len(g) for g in stale)
+        return fresh
+
+    def _collect(self, version: int, timeout_s: float) -> list[Sample]:
+        t0 = time.perf_counter()
+        want = self.rl.batch_size // self.rl.attempts
+        self.buffer = self._drop_stale(self.buffer, version)  # leftovers may have aged past max_lag
+        while len(self.buffer) < want:
+            got = self.source.get(timeout=1.0)
+            if got is None:
+                if self.source.finished():
+                    raise RuntimeError("all inference ranks stopped sending rollouts before training finished")
+                if time.perf_counter() - t0 > timeout_s:
+                    raise TimeoutError(
+                        f"no rollouts for {timeout_s:.0f} s (world.timeout_s): are the inference ranks alive?"
+                    )
+                continue
+            src, group, stats = got
+            self.engine_stats[src] = stats
+            gid = group[0].group_id
+            key = gid % self.n_engines
+            self.max_gid[key] = max(self.max_gid.get(key, -1), gid)
+            if self.rl.filter_zero_advantage and is_zero_advantage_group([s.reward for s in group]):
+                self.counts.filtered_groups += 1
+                self.counts.filtered_samples += len(group)
+                continue
+            self.buffer += self._drop_stale([group], version)
+        taken, self.buffer = self.buffer[:want], self.buffer[want:]
+        return [s for g in taken for s in g]

@@ -1,0 +1,190 @@
+"""The pure-PyTorch reference generation engine: continuous batching over a slot KV cache, in-flight weight loads.
+
+Requests wait until a slot is free, are prefilled (several packed in one forward), then advance one token per
+`step()` together; finished requests leave and free their slot for the next waiting one. Every sampled token
+records `self.version`, the policy version of the weights that produced it. Between two steps the inference loop
+may load new weights (`load_update`, which receives the broadcast straight into the parameters): in-progress
+requests keep their KV cache (computed by older weights) unless `recompute_kv()` re-prefills them under the new
+weights. It runs in the inference rank's own process, on its device; tests and machines without vLLM use it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request
+from pipelinerl_fsdp.inference.kv_cache import KVCache
+from pipelinerl_fsdp.inference.sampling import sample_next
+from pipelinerl_fsdp.models import Transformer, load_hf_model
+from pipelinerl_fsdp.transport.weights import WeightReceiver
+
+
+class ReferenceEngine(Engine):
+    @classmethod
+    def create(cls, settings: EngineSettings) -> tuple[ReferenceEngine, WeightReceiver]:
+        s, inf = settings, settings.cfg.inference
+        model = load_hf_model(s.model_path, s.device, s.dtype)
+        engine = cls(model, inf.max_num_seqs, s.max_len, s.stop_token_ids, inf.temperature, inf.top_p, s.seed)
+        params = engine.params
+        receiver = WeightReceiver(
+            [(n, p.shape) for n, p in params.items()],
+            s.world.weight_group,
+            s.weight_src,
+            s.dtype,
+            s.device,
+            s.bucket_bytes,
+        )
+        receiver.bind(params)  # updates land straight in the engine's weights
+        return engine, receiver
+
+    def __init__(
+        self,
+        model: Transformer,
+        max_num_seqs: int,
+        max_len: int,
+        eos_ids: list[int],
+        temperature: float,
+        top_p: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        self.model = model.eval()
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cache = KVCache(model.args, max_num_seqs, max_len, self.device, self.dtype)
+        self.max_len = max_len
+        self.eos = set(eos_ids)
+        self.temperature, self.top_p = temperature, top_p
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.version = 0
+        self.waiting: deque[Request] = deque()
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.generated_tokens, self.busy_s = 0, 0.0
+        self._staging: dict[str, torch.Tensor] | None = None  # async mode: a received, not yet loaded update
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return dict(self.model.named_parameters())
+
+    def add(self, request: Request) -> None:
+        if len(request.prompt_ids) + request.max_tokens > self.max_len:
+            raise ValueError(
+                f"request {request.request_id}: prompt ({len(request.prompt_ids)}) + max_tokens "
+                f"({request.max_tokens}) exceeds the engine's max_len {self.max_len}"
+            )
+        self.waiting.append(request)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def stats(self) -> tuple[int, float]:
+        """Busy time = time spent inside `step()`."""
+        return self.generated_tokens, self.busy_s
+
+    @torch.no_grad()
+    def _prefill(self, reqs: list[Request], upto_last: bool) -> torch.Tensor:
+        """Fill the slots of `reqs` under the current weights; returns the logits after each sequence.
+
+        upto_last=False: the prompt of a new request. True (recompute): prompt + generated tokens except the
+        last one, which the next decode step feeds as usual.
+        """
+        seqs = [r.prompt_ids + (r.tokens[:-1] if upto_last else []) for r in reqs]
+        slots, pos = self.cache.begin_prefill([r.slot for r in reqs], [len(s) for s in seqs])
+        ids = torch.tensor([t for s in seqs for t in s], device=self.device)[None]
+        logits = self.model(ids, pos, cache=self.cache)[0]
+        self.cache.end_prefill()
+        last = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
+        return logits[last]
+
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """One engine step: every running request feeds its last token and samples the next; waiting requests
+        are admitted into free slots (prefill) and sample their first token. All logits of a step come from
+        the current weights, so each new token carries `self.version`. Returns the requests that finished."""
+        t0 = time.perf_counter()
+        batches: list[tuple[list[Request], torch.Tensor]] = []
+        if self.running:
+            reqs = [self.running[s] for s in sorted(self.running)]
+            slots = torch.tensor([r.slot for r in reqs], device=self.device)
+            pos = self.cache.begin_decode(slots)
+            ids = torch.tensor([[r.tokens[-1]] for r in reqs], device=self.device)
+            logits = self.model(ids, pos, cache=self.cache)[:, 0]
+            self.cache.end_decode()
+            batches.append((reqs, logits))
+        new = []
+        while self.waiting and self.free_slots:
+            r = self.waiting.popleft()
+            r.slot = self.free_slots.pop()
+            self.running[r.slot] = r
+            new.append(r)
+        if new:
+            batches.append((new, self._prefill(new, upto_last=False)))
+        if not batches:
+            return []
+        reqs = [r for b, _ in batches for r in b]
+        tok, lp = sample_next(
+            torch.cat([logits for _, logits in batches]), self.temperature, self.top_p, self.generator
+        )
+        done = []
+        for r, t, logprob in zip(reqs, tok.tolist(), lp.tolist()):
+            r.tokens.append(t)
+            r.logprobs.append(logprob)
+            r.versions.append(self.version)
+            if t in self.eos or len(r.tokens) >= r.max_tokens:
+                r.finished = t in self.eos
+                done.append(r)
+        for r in done:
+            del self.running[r.slot]
+            self.cache.free(r.slot)
+            self.free_slots.append(r.slot)
+        self.generated_tokens += len(reqs)
+        self.busy_s += time.perf_counter() - t0
+        return done
+
+    @torch.no_grad()
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the weights (the job's weight receiver writes in place instead)."""
+        params = self.model.state_dict(keep_vars=True)  # tied weights appear under both names
+        for name, t in named:
+            params[name].copy_(t)
+
+    def set_version(self, version: int) -> None:
+        """Call after loading new weights into `self.params`; later tokens carry this version."""
+        self.version = version
+
+    def load_update(self, receiver: WeightReceiver, version: int, recompute: bool) -> None:
+        receiver.receive_buckets()  # into the bound parameters: the weights change in place
+        self.set_version(version)
+        if recompute:
+            self.recompute_kv()
+
+    def stage_update(self, receiver: WeightReceiver) -> None:
+        if self._staging is None:
+            self._staging = {n: torch.empty_like(p) for n, p in self.params.items()}
+        staging = self._staging
+
+        def keep(views: list[tuple[str, torch.Tensor]]) -> None:
+            for name, t in views:
+                staging[name].copy_(t)
+
+        receiver.receive_buckets(load=keep, staged=True)
+
+    def apply_staged(self, version: int) -> None:
+        assert self._staging is not None, "apply_staged without a staged update"
+        self.load_weights(list(self._staging.items()))
+        self.set_version(version)
+
+    def close(self) -> None:
+        """Nothing to stop: the engine lives in this process."""
+
+    @torch.no_grad()
+    def recompute_kv(self) -> None:
+        """Re-prefill every running request under the current weights (the 'recompute' switch)."""
+        running = list(self.running.values())
+        for r in running:
+            self.cache.free(r.slot)
+        if running:
+            self._prefill(running, upto_last=True)

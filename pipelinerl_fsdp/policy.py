@@ -1,0 +1,50 @@
+"""The trained policy of either stage (warm start, RL): the model sharded with FSDP2, AdamW and its schedule,
+built by one function so that both stages shard, cast and optimise the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipelinerl_fsdp.config import OptimizerConfig, TrainerConfig
+from pipelinerl_fsdp.models import Transformer
+from pipelinerl_fsdp.optim import build_optimizer
+from pipelinerl_fsdp.parallelize import DTYPES, apply_fsdp, resolve_param_dtype
+from pipelinerl_fsdp.train_step import clip_and_step
+from pipelinerl_fsdp.world import World
+
+
+@dataclass
+class Policy:
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    grad_clip: float
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def step(self) -> float:
+        """Clip, optimizer and schedule step, zero the gradients; returns the pre-clip global gradient norm."""
+        return clip_and_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
+
+
+def shard(model: Transformer, world: World, trainer: TrainerConfig) -> Transformer:
+    """FSDP2 over the trainer ranks with the configured mixed precision (the model on this rank's device)."""
+    model = model.to(world.device)
+    assert world.trainer_mesh is not None, "only trainer ranks shard the policy"
+    apply_fsdp(
+        model, world.trainer_mesh, resolve_param_dtype(trainer.param_dtype, world.device), DTYPES[trainer.reduce_dtype]
+    )
+    return model
+
+
+def build_policy(
+    model: Transformer, world: World, trainer: TrainerConfig, opt: OptimizerConfig, total_steps: int
+) -> Policy:
+    """Shard `model` and attach AdamW + schedule over `total_steps` optimizer steps."""
+    model = shard(model, world, trainer)
+    optimizer, scheduler = build_optimizer(model.parameters(), opt, total_steps)
+    return Policy(model, optimizer, scheduler, opt.grad_clip)

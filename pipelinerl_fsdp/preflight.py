@@ -1,0 +1,69 @@
+"""Start-up checks and decisions that need the task, the tokenizer or the model folder, made once before any
+engine starts or any step runs: which tokenizer every stage uses, which token ids end a completion, and whether
+the longest sequence fits the trainer's micro-batch budget. A failure is a `ConfigError` that names the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from pipelinerl_fsdp.config import Config, ConfigError
+from pipelinerl_fsdp.tasks import Task
+from pipelinerl_fsdp.tokenizer import encode_prompt
+
+
+def tokenizer_folder(cfg: Config, model_path: str | Path) -> str:
+    """The one tokenizer of every stage (warm start, trainer, engines): tokenizer.path, else the model folder's."""
+    path = cfg.tokenizer.path or str(model_path)
+    folder = Path(path)
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+        key = "tokenizer.path" if cfg.tokenizer.path else "model.path (its tokenizer; or set tokenizer.path)"
+        raise ConfigError(f"{key}: {path} holds no tokenizer.json / tokenizer_config.json ({cfg.source})")
+    return path
+
+
+def _eos_ids(value: object) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def stop_token_ids(model_path: str | Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids that end a completion, the same for every engine: the tokenizer's EOS plus the eos ids of the model
+    folder's generation_config.json and config.json (vLLM stops on those too; we pass the union to both)."""
+    ids = set(_eos_ids(tokenizer.eos_token_id))
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_path) / name
+        if path.is_file():
+            ids.update(_eos_ids(json.loads(path.read_text()).get("eos_token_id")))
+    return sorted(ids)
+
+
+def sequence_limits(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
+    """(longest prompt in tokens, longest prompt + completion) for this task, tokenizer and chat template."""
+    prompt = len(encode_prompt(tokenizer, task.longest_prompt(), cfg.tokenizer.use_chat_template))
+    return prompt, prompt + cfg.task.max_new_tokens
+
+
+def check_sequence_budget(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The longest sequence must fit one packed micro-batch (it is never split)."""
+    prompt, total = sequence_limits(cfg, task, tokenizer)
+    if total > cfg.trainer.micro_batch_tokens:
+        raise ConfigError(
+            f"trainer.micro_batch_tokens = {cfg.trainer.micro_batch_tokens} is smaller than the "
+            f"longest sequence: a prompt of up to {prompt} tokens (task {task.name!r}) + "
+            f"task.max_new_tokens = {cfg.task.max_new_tokens}; raise the budget or lower "
+            f"max_new_tokens ({cfg.source})"
+        )
+
+
+def check_vocab(cfg: Config, vocab_size: int, tokenizer: PreTrainedTokenizerBase, where: str) -> None:
+    if vocab_size < len(tokenizer):
+        raise ConfigError(
+            f"{where}: the model's vocab_size {vocab_size} is smaller than the tokenizer's "
+            f"{len(tokenizer)} tokens (tokenizer.path / model.path) ({cfg.source})"
+        )

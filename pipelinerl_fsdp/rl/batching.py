@@ -1,0 +1,42 @@
+"""Batching rules of the RL step (pure): how a step's samples are split over trainer ranks and packed into
+micro-batches whose per-token fields line up with the next-token targets."""
+
+from __future__ import annotations
+
+import torch
+
+from pipelinerl_fsdp.rl.packing import collate_packed, pack_into_bins
+from pipelinerl_fsdp.transport.rollouts import Sample
+
+
+def sample_tokens(s: Sample) -> int:
+    return len(s.prompt_ids) + len(s.completion_ids)
+
+
+def split_balanced(samples: list[Sample], n: int) -> list[list[Sample]]:
+    """Split samples over n ranks: equal counts (±1), greedily balancing tokens (longest first)."""
+    order = sorted(range(len(samples)), key=lambda i: -sample_tokens(samples[i]))
+    parts: list[list[Sample]] = [[] for _ in range(n)]
+    tokens = [0] * n
+    cap = -(-len(samples) // n)
+    for i in order:
+        r = min((r for r in range(n) if len(parts[r]) < cap), key=lambda r: tokens[r])
+        parts[r].append(samples[i])
+        tokens[r] += sample_tokens(samples[i])
+    return parts
+
+
+def rl_micro_batches(samples: list[Sample], budget: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Pack samples (prompt + completion) into micro-batches; per-token fields aligned with the targets."""
+    seqs, fields = [], {"mask": [], "behaviour_logp": [], "advantage": []}
+    for s in samples:
+        seqs.append(s.prompt_ids + s.completion_ids)
+        n_prompt_targets = len(s.prompt_ids) - 1
+        n = len(s.completion_ids)
+        fields["mask"].append([0.0] * n_prompt_targets + [1.0] * n)
+        fields["behaviour_logp"].append([0.0] * n_prompt_targets + list(s.logprobs))
+        fields["advantage"].append([0.0] * n_prompt_targets + [s.advantage] * n)
+    bins = pack_into_bins([len(s) for s in seqs], budget)
+    return [
+        collate_packed([seqs[i] for i in b], {k: [v[i] for i in b] for k, v in fields.items()}, device) for b in bins
+    ]

@@ -1,0 +1,82 @@
+"""The metrics of one RL step, computed from the step's samples, the loss sums reduced over trainer ranks, the
+engines' cumulative counters and the step's timings (pure: every number comes from these inputs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipelinerl_fsdp.rl.ess import ess_from_sums
+from pipelinerl_fsdp.transport.rollouts import Sample
+
+# Sums the loss reports per micro-batch, reduced over the trainer ranks (see rl.loss.policy_loss).
+LOSS_SUMS = ("sum_w", "sum_w2", "tokens", "entropy", "clipped", "kl")
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative counters summed over the engines (as last reported with their rollouts)."""
+
+    gen_tokens: float = 0.0
+    busy_s: float = 0.0
+    elapsed_s: float = 0.0
+
+    @classmethod
+    def total(cls, per_engine: dict[int, dict[str, float]]) -> EngineCounters:
+        return cls(*(sum(st[k] for st in per_engine.values()) for k in ("gen_tokens", "busy_s", "elapsed_s")))
+
+
+@dataclass
+class StepTimes:
+    start: float  # the step began (before waiting for data)
+    data: float  # the batch was in hand
+    end: float  # optimizer step and weight push done
+    previous_end: float  # the previous step's end (rates are per wall-clock interval)
+
+
+def token_lags(samples: list[Sample], trained_version: int) -> list[int]:
+    """Per completion token: versions between the weights trained (`trained_version`) and those that sampled it."""
+    return [trained_version - v for s in samples for v in s.versions]
+
+
+def zero_advantage_group_frac(samples: list[Sample]) -> float:
+    """Share of the batch's groups whose attempts all got the same reward (no learning signal)."""
+    rewards: dict[int, set[float]] = {}
+    for s in samples:
+        rewards.setdefault(s.group_id, set()).add(s.reward)
+    return sum(1 for r in rewards.values() if len(r) == 1) / max(len(rewards), 1)
+
+
+def step_metrics(
+    samples: list[Sample],
+    trained_version: int,
+    sums: dict[str, float],
+    engines: EngineCounters,
+    engines_before: EngineCounters,
+    times: StepTimes,
+) -> dict[str, float]:
+    """The step's metrics. `trained_version`: the policy version the step's gradient was computed with."""
+    lags = token_lags(samples, trained_version)
+    tokens = max(sums["tokens"], 1.0)
+    engine_elapsed = max(engines.elapsed_s - engines_before.elapsed_s, 1e-9)
+    return {
+        "version": trained_version + 1,
+        "reward_mean": sum(s.reward for s in samples) / len(samples),
+        "ess": ess_from_sums(sums["sum_w"], sums["sum_w2"], sums["tokens"]),
+        "lag_mean": sum(lags) / max(len(lags), 1),
+        "lag_max": max(lags, default=0),
+        "current_version_frac": sum(1 for x in lags if x == 0) / max(len(lags), 1),
+        # sequences whose tokens come from more than one policy version (in-flight updates)
+        "mixed_version_frac": sum(1 for s in samples if len(set(s.versions)) > 1) / len(samples),
+        "entropy": sums["entropy"] / tokens,
+        "is_clipped_frac": sums["clipped"] / tokens,
+        "kl": sums["kl"] / tokens,
+        "completion_len": sums["tokens"] / len(samples),
+        "truncated_frac": sum(1 for s in samples if not s.finished) / len(samples),
+        "zero_adv_group_frac": zero_advantage_group_frac(samples),
+        "gen_tokens_per_s": (engines.gen_tokens - engines_before.gen_tokens) / (times.end - times.previous_end),
+        "train_tokens_per_s": sum(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
+        / (times.end - times.data),
+        "trainer_busy_frac": (times.end - times.data) / (times.end - times.start),
+        "inference_busy_frac": (engines.busy_s - engines_before.busy_s) / engine_elapsed,
+        "wait_for_data_s": times.data - times.start,
+    }

@@ -1,0 +1,158 @@
+"""What every task shares: the problem record, the task interface, its config, the registry and the prompt stream.
+
+A task is one module under `pipelinerl_fsdp/tasks/` that defines a `Task` subclass with a `config_class` (a
+dataclass extending `TaskConfig` with the task's own keys) and decorates it with `@register_task("name")`. The
+package imports every module in this folder, so the task is then selectable with `[task] name = "name"` in a TOML
+file, and its keys are checked like every other config key. See docs/extending.md.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from torchdata.nodes import BaseNode
+
+from pipelinerl_fsdp.config import TaskConfig
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str  # the verifiable final answer
+    solution: str  # a reference completion (without EOS), for the supervised warm start
+
+
+class Task(ABC):
+    """Problems with a reward and a fixed held-out split disjoint from the training problems.
+
+    The rest of the job only uses the methods below. A task that generates its problems subclasses
+    `GeneratedTask` (it writes `sample`); a task that reads them from a dataset implements `train_problem` and
+    `eval_split` over its records.
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type[TaskConfig]] = TaskConfig
+    # characters of every prompt and solution: a character tokenizer built from them covers the task exactly
+    # (empty: the task needs a real tokenizer, from tokenizer.path or the model folder)
+    alphabet: ClassVar[str] = ""
+
+    def __init__(self, cfg: TaskConfig) -> None:
+        self.cfg = cfg
+
+    @abstractmethod
+    def train_problem(self, seed: int, index: int) -> Problem:
+        """Training problem number `index` of the stream `seed`: deterministic, never in the eval split."""
+
+    @abstractmethod
+    def eval_split(self) -> list[Problem]:
+        """The held-out evaluation problems (fixed for a given config)."""
+
+    @abstractmethod
+    def reward(self, problem: Problem, completion: str) -> float:
+        """Reward of a completion (its text before the stop token), 1.0 for a correct answer."""
+
+    @abstractmethod
+    def longest_prompt(self) -> str:
+        """A prompt at least as long as any this task produces: start-up checks size the budgets from it."""
+
+
+class GeneratedTask(Task):
+    """A task that draws its problems from a seeded generator (`sample`)."""
+
+    def __init__(self, cfg: TaskConfig) -> None:
+        super().__init__(cfg)
+        self._eval: list[Problem] | None = None
+        self._eval_prompts: set[str] = set()
+
+    @abstractmethod
+    def sample(self, rng: random.Random) -> Problem:
+        """One random problem."""
+
+    def eval_split(self) -> list[Problem]:
+        """Fixed by (eval_seed, eval_size), distinct prompts."""
+        if self._eval is None:
+            rng = random.Random(f"eval:{self.name}:{self.cfg.eval_seed}")
+            seen: dict[str, Problem] = {}
+            tries = 0
+            while len(seen) < self.cfg.eval_size:
+                p = self.sample(rng)
+                seen.setdefault(p.prompt, p)
+                tries += 1
+                if tries > 100 * self.cfg.eval_size:
+                    raise ValueError(
+                        f"task {self.name}: cannot draw {self.cfg.eval_size} distinct eval problems "
+                        "(task.eval_size is larger than the task's problem space allows)"
+                    )
+            self._eval = list(seen.values())
+            self._eval_prompts = set(seen)
+        return self._eval
+
+    def train_problem(self, seed: int, index: int) -> Problem:
+        self.eval_split()
+        rng = random.Random(f"train:{self.name}:{seed}:{index}")
+        while True:
+            p = self.sample(rng)
+            if p.prompt not in self._eval_prompts:
+                return p
+
+
+TASKS: dict[str, type[Task]] = {}
+T = TypeVar("T", bound=type[Task])
+
+
+def register_task(name: str) -> Callable[[T], T]:
+    """Class decorator: make a Task selectable as `task.name = name`."""
+
+    def deco(cls: T) -> T:
+        if name in TASKS and TASKS[name] is not cls:
+            raise ValueError(f"task {name!r} is registered twice ({TASKS[name].__module__}, {cls.__module__})")
+        cls.name = name
+        TASKS[name] = cls
+        return cls
+
+    return deco
+
+
+def task_class(name: str) -> type[Task]:
+    from pipelinerl_fsdp import tasks  # noqa: F401  (imports every task module, filling TASKS)
+
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
+
+def make_task(cfg: TaskConfig) -> Task:
+    """The task named by `cfg.name`, built from its config."""
+    cls = task_class(cfg.name)
+    if not isinstance(cfg, cls.config_class):
+        raise TypeError(f"task {cfg.name!r} needs a {cls.config_class.__name__}, got {type(cfg).__name__}")
+    return cls(cfg)
+
+
+class ProblemStream(BaseNode[Problem]):
+    """An endless, resumable stream of training problems (torchdata node; state = next index).
+
+    With several consumers (data-parallel ranks, inference ranks) each takes every `stride`-th index from
+    `offset`, so the streams are disjoint and together cover the same sequence.
+    """
+
+    def __init__(self, task: Task, seed: int, offset: int = 0, stride: int = 1) -> None:
+        super().__init__()
+        self.task, self.seed, self.offset, self.stride = task, seed, offset, stride
+        self._index = offset
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._index = self.offset if initial_state is None else int(initial_state["index"])
+
+    def next(self) -> Problem:
+        p = self.task.train_problem(self.seed, self._index)
+        self._index += self.stride
+        return p
+
+    def get_state(self) -> dict[str, Any]:
+        return {"index": self._index}

@@ -1,0 +1,12 @@
+"""Weight sync: a bit-exact FSDP2 -> inference-rank broadcast under torchrun."""
+
+import pytest
+
+from conftest import ROOT, torchrun_script
+
+
+@pytest.mark.slow
+def test_fsdp_to_inference_broadcast_is_bit_exact():
+    r = torchrun_script(3, ROOT / "tests" / "dist" / "weight_sync.py", timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "WEIGHT_SYNC_OK" in r.stdout

@@ -1,0 +1,55 @@
+"""Batching rules: the split over trainer ranks and the packed micro-batches of the RL step."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from pipelinerl_fsdp.rl.batching import rl_micro_batches, sample_tokens, split_balanced
+from pipelinerl_fsdp.transport.rollouts import Sample
+
+
+def sample(n_prompt: int, n_comp: int, adv: float = 0.5, gid: int = 0) -> Sample:
+    return Sample(
+        gid, list(range(1, n_prompt + 1)), list(range(10, 10 + n_comp)), [-0.5] * n_comp, [0] * n_comp, 1.0, adv
+    )
+
+
+def test_split_balanced_counts_and_tokens():
+    rng = random.Random(0)
+    samples = [sample(rng.randint(2, 6), rng.randint(1, 60), gid=i) for i in range(13)]
+    parts = split_balanced(samples, 3)
+    assert sorted(len(p) for p in parts) == [4, 4, 5]
+    assert sorted(id(s) for p in parts for s in p) == sorted(id(s) for s in samples)  # each sample once
+    loads = [sum(sample_tokens(s) for s in p) for p in parts]
+    # greedy longest-first: no rank exceeds another by more than the longest sample
+    assert max(loads) - min(loads) <= max(sample_tokens(s) for s in samples)
+
+
+def test_split_balanced_separates_two_long_samples():
+    samples = [sample(2, 100), sample(2, 100), sample(2, 1), sample(2, 1)]
+    parts = split_balanced(samples, 2)
+    assert [sum(sample_tokens(s) for s in p) for p in parts] == [105, 105]
+
+
+def test_split_more_ranks_than_samples_leaves_some_empty():
+    parts = split_balanced([sample(2, 3)], 2)
+    assert sorted(len(p) for p in parts) == [0, 1]
+
+
+def test_micro_batches_align_fields_with_targets():
+    s1, s2 = sample(3, 2, adv=1.5), sample(2, 3, adv=-0.5)
+    (mb,) = rl_micro_batches([s1, s2], budget=64, device=torch.device("cpu"))
+    # targets: s1 has 4 (2 prompt targets, then 2 completion tokens), s2 has 4 (1 prompt target, 3 completion)
+    assert mb["mask"][0].tolist() == [0, 0, 1, 1, 0, 1, 1, 1]
+    assert mb["advantage"][0].tolist() == [0, 0, 1.5, 1.5, 0, -0.5, -0.5, -0.5]
+    assert mb["behaviour_logp"][0].tolist() == [0, 0, -0.5, -0.5, 0, -0.5, -0.5, -0.5]
+    assert mb["targets"][0].tolist() == [2, 3, 10, 11, 2, 10, 11, 12]
+    assert mb["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_micro_batches_respect_the_budget():
+    samples = [sample(4, 10) for _ in range(10)]  # 14 tokens each
+    mbs = rl_micro_batches(samples, budget=30, device=torch.device("cpu"))
+    assert len(mbs) == 5 and all(mb["input_ids"].shape[1] + 2 <= 30 for mb in mbs)

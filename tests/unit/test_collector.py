@@ -1,0 +1,122 @@
+"""The collector's rules: whole groups, stale groups dropped whole and counted, zero-advantage filter, leftovers
+re-checked at the next step, conventional rounds collected at the round's first step."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pipelinerl_fsdp.collector import Collector, group_lag, split_stale
+from pipelinerl_fsdp.config import RLConfig
+from pipelinerl_fsdp.transport.rollouts import Sample
+
+
+def group(gid: int, versions: list[list[int]], rewards: list[float] | None = None) -> list[Sample]:
+    rewards = rewards or [float(i % 2) for i in range(len(versions))]
+    return [Sample(gid, [1, 2], [3] * len(v), [-0.1] * len(v), v, r) for v, r in zip(versions, rewards)]
+
+
+class FakeSource:
+    """Hands out queued groups; `finished()` once empty and closed."""
+
+    def __init__(self, groups: list[list[Sample]]) -> None:
+        self.groups = list(groups)
+        self.closed = threading.Event()
+
+    def get(self, timeout: float):
+        if self.groups:
+            g = self.groups.pop(0)
+            return 1, g, {"gen_tokens": 1.0, "busy_s": 1.0, "elapsed_s": 1.0, "update_pause_ms": 0.0}
+        return None
+
+    def qsize(self) -> int:
+        return len(self.groups)
+
+    def finished(self) -> bool:
+        return not self.groups and self.closed.is_set()
+
+
+def rl(**kw) -> RLConfig:
+    return RLConfig(**{"attempts": 2, "batch_size": 4, "max_lag": 2, **kw})
+
+
+def test_group_lag_is_that_of_the_oldest_token():
+    g = group(0, [[5, 6], [3, 7]])
+    assert group_lag(g, 7) == 4
+    fresh, stale = split_stale([g, group(1, [[6], [7]])], 7, max_lag=2)
+    assert [x[0].group_id for x in fresh] == [1] and [x[0].group_id for x in stale] == [0]
+
+
+def test_a_group_with_one_stale_sample_is_dropped_whole_and_counted():
+    # group 1 has one sample whose first token is 3 versions old at version 5 (max_lag 2): the whole group goes
+    src = FakeSource([group(0, [[5], [5]]), group(1, [[2, 5], [5, 5]]), group(2, [[4], [5]])])
+    c = Collector(src, rl(), n_engines=1)
+    batch = c.next_batch(version=5, timeout_s=5)
+    assert sorted({s.group_id for s in batch}) == [0, 2] and len(batch) == 4
+    assert c.counts.dropped_groups == 1 and c.counts.dropped_samples == 2
+
+
+def test_leftovers_are_checked_again_at_the_next_step():
+    src = FakeSource(
+        [group(0, [[3], [3]]), group(1, [[3], [3]]), group(2, [[3], [3]]), group(3, [[6], [6]]), group(4, [[6], [6]])]
+    )
+    c = Collector(src, rl(), n_engines=1)
+    first = c.next_batch(version=3, timeout_s=5)
+    assert {s.group_id for s in first} == {0, 1} and len(c.buffer) == 0  # the batch took two whole groups
+    # group 2 waits in the buffer only if received; take one more step at version 6: group 2 (version 3) is stale
+    second = c.next_batch(version=6, timeout_s=5)
+    assert {s.group_id for s in second} == {3, 4}
+    assert c.counts.dropped_groups == 1 and c.counts.dropped_samples == 2
+
+
+def test_buffered_leftover_group_ages_out():
+    src = FakeSource([group(0, [[3], [3]]), group(1, [[3], [3]]), group(2, [[3], [3]])])
+    c = Collector(src, rl(batch_size=2), n_engines=1)
+    c.next_batch(version=3, timeout_s=5)  # takes group 0
+    c.buffer.append(src.groups.pop(0))  # group 1 waits as a leftover (as if received during the last step)
+    src.groups.append(group(9, [[7], [7]]))
+    batch = c.next_batch(version=7, timeout_s=5)  # group 1 is now 4 versions old: dropped before group 2 or 9
+    assert {s.group_id for s in batch} == {9}
+    assert c.counts.dropped_groups == 2  # group 1 (leftover) and group 2 (on arrival)
+
+
+def test_zero_advantage_groups_are_filtered_and_counted():
+    src = FakeSource(
+        [
+            group(0, [[1], [1]], [1.0, 1.0]),
+            group(1, [[1], [1]], [0.0, 1.0]),
+            group(2, [[1], [1]], [0.0, 0.0]),
+            group(3, [[1], [1]], [1.0, 0.0]),
+        ]
+    )
+    c = Collector(src, rl(filter_zero_advantage=True), n_engines=1)
+    batch = c.next_batch(version=1, timeout_s=5)
+    assert {s.group_id for s in batch} == {1, 3}
+    assert c.counts.filtered_groups == 2 and c.counts.filtered_samples == 4 and c.counts.dropped_groups == 0
+
+
+def test_conventional_round_is_collected_at_its_first_step():
+    groups = [group(i, [[0], [0]]) for i in range(6)]
+    src = FakeSource(groups)
+    c = Collector(src, rl(mode="conventional", sync_every=3, max_lag=8), n_engines=1)
+    first = c.next_batch(version=0, timeout_s=5)
+    assert not src.groups  # all three batches of the round were taken at once
+    assert {s.group_id for s in first} == {0, 1}
+    assert {s.group_id for s in c.next_batch(version=1, timeout_s=5)} == {2, 3}
+    assert {s.group_id for s in c.next_batch(version=2, timeout_s=5)} == {4, 5}
+
+
+def test_stream_positions_per_engine_for_resume():
+    src = FakeSource([group(0, [[0], [0]]), group(3, [[0], [0]]), group(1, [[0], [0]]), group(2, [[0], [0]])])
+    c = Collector(src, rl(), n_engines=2)
+    c.next_batch(0, 5)
+    c.next_batch(0, 5)
+    assert c.stream_next() == {"0": 4, "1": 5}  # newest group ids 2 (engine 0) and 3 (engine 1), stride 2
+
+
+def test_no_rollouts_is_a_named_error():
+    src = FakeSource([])
+    src.closed.set()
+    with pytest.raises(RuntimeError, match="stopped sending rollouts"):
+        Collector(src, rl(), n_engines=1).next_batch(0, 5)

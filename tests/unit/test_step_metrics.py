@@ -1,0 +1,55 @@
+"""Step metrics mean what their names say, computed from the step's samples and counters."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelinerl_fsdp.rl.step_metrics import (
+    EngineCounters,
+    StepTimes,
+    step_metrics,
+    token_lags,
+    zero_advantage_group_frac,
+)
+from pipelinerl_fsdp.transport.rollouts import Sample
+
+
+def s(versions: list[int], reward: float, finished: bool = True) -> Sample:
+    return Sample(0, [1, 2, 3], [5] * len(versions), [-1.0] * len(versions), versions, reward, 0.0, finished)
+
+
+SUMS = {"sum_w": 4.0, "sum_w2": 4.0, "tokens": 4.0, "entropy": 2.0, "clipped": 1.0, "kl": 0.4}
+
+
+def test_lags_and_version_fractions():
+    samples = [s([3, 4], 1.0), s([4, 4], 0.0, finished=False)]
+    assert token_lags(samples, 4) == [1, 0, 0, 0]
+    m = step_metrics(samples, 4, SUMS, EngineCounters(10, 2, 4), EngineCounters(), StepTimes(0, 1, 2, -1))
+    assert m["version"] == 5
+    assert m["lag_mean"] == 0.25 and m["lag_max"] == 1 and m["current_version_frac"] == 0.75
+    assert m["mixed_version_frac"] == 0.5  # one sequence has tokens of versions 3 and 4
+    assert m["reward_mean"] == 0.5 and m["truncated_frac"] == 0.5
+    assert m["ess"] == 1.0 and m["is_clipped_frac"] == 0.25 and m["entropy"] == 0.5 and m["kl"] == pytest.approx(0.1)
+
+
+def test_in_sync_data_has_zero_lag():
+    m = step_metrics([s([7, 7, 7], 1.0)], 7, SUMS, EngineCounters(), EngineCounters(), StepTimes(0, 1, 2, 0))
+    assert m["lag_mean"] == 0 and m["lag_max"] == 0 and m["current_version_frac"] == 1.0
+
+
+def test_rates_and_busy_fractions_come_from_the_deltas():
+    before, now = EngineCounters(100, 5, 10), EngineCounters(400, 6.5, 12)
+    m = step_metrics([s([0], 1.0)], 0, SUMS, now, before, StepTimes(start=10, data=10.5, end=12, previous_end=9))
+    assert m["gen_tokens_per_s"] == pytest.approx(300 / 3)  # 300 tokens since the previous step's end
+    assert m["inference_busy_frac"] == pytest.approx(1.5 / 2)
+    assert m["trainer_busy_frac"] == pytest.approx(1.5 / 2)  # waited 0.5 s of a 2 s step for data
+    assert m["wait_for_data_s"] == pytest.approx(0.5)
+    assert m["train_tokens_per_s"] == pytest.approx(3 / 1.5)  # 3 + 1 tokens, 3 targets, in 1.5 s
+
+
+def test_zero_advantage_groups_are_counted_per_group():
+    def g(gid: int, rewards: list[float]) -> list[Sample]:
+        return [Sample(gid, [1], [2], [-1.0], [0], r) for r in rewards]
+
+    assert zero_advantage_group_frac(g(0, [1, 1]) + g(1, [0, 1]) + g(2, [0, 0]) + g(3, [1, 0])) == 0.5
+    assert zero_advantage_group_frac(g(0, [0, 1])) == 0.0
