@@ -52,10 +52,17 @@ class ModelConfig:
 
 @dataclass
 class TokenizerConfig:
+    """The job's one tokenizer and how prompts go through it."""
+
     # HF tokenizer folder used by every stage (warm start, trainer, engines); empty: the model folder's
     # tokenizer, or (warm start from scratch) a character tokenizer of the task's alphabet
     path: str = ""
+    # prompts as a user turn of the tokenizer's chat template (with the generation prompt)
     use_chat_template: bool = False
+    # a system turn before the user turn (chat template only; empty: none)
+    system_prompt: str = ""
+    # extra variables for the chat template, e.g. { enable_thinking = false } (Qwen3)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -272,6 +279,8 @@ def _type_name(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is dict:
+        return "a table (dict)"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -285,6 +294,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if isinstance(value, list):
             return [_coerce(v, typing.get_args(tp)[0], key, source) for v in value]
         ok = False
+    elif origin is dict:
+        ok = isinstance(value, dict)
     elif origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(tp):
             try:
@@ -549,6 +560,8 @@ def _toml_value(v: Any) -> str:
         return json.dumps(v)
     if isinstance(v, list):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
     raise TypeError(f"cannot write {v!r} as TOML")
 
 

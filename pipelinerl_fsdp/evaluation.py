@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
+from pipelinerl_fsdp.config import TokenizerConfig
 from pipelinerl_fsdp.inference.generate import generate
 from pipelinerl_fsdp.models.decoder import Transformer
 from pipelinerl_fsdp.tasks import Task
@@ -18,7 +19,7 @@ def greedy_accuracy(
     task: Task,
     tokenizer: PreTrainedTokenizerBase,
     max_new_tokens: int,
-    use_chat_template: bool = False,
+    fmt: TokenizerConfig | None = None,
     rank: int = 0,
     world: int = 1,
     group: dist.ProcessGroup | None = None,
@@ -27,13 +28,14 @@ def greedy_accuracy(
     """Mean exact-match reward of greedy completions on the held-out split.
 
     `model` is a local (unsharded) copy; with world > 1 each rank takes every world-th problem and the counts
-    are summed over `group`.
+    are summed over `group`. NaN when the task has no held-out problems.
     """
     problems = task.eval_split()[rank::world]
-    prompts = [encode_prompt(tokenizer, p.prompt, use_chat_template) for p in problems]
+    fmt = fmt or TokenizerConfig()
+    prompts = [encode_prompt(tokenizer, p.prompt, fmt) for p in problems]
     stops = stop_ids or [tokenizer.eos_token_id]
-    outs = generate(model.eval(), prompts, max_new_tokens, stops, temperature=0.0)
-    correct = sum(task.reward(p, completion_text(tokenizer, o.tokens, stops)) for p, o in zip(problems, outs))
+    outs = generate(model.eval(), prompts, max_new_tokens, stops, temperature=0.0) if prompts else []
+    correct = sum(task.reward(completion_text(tokenizer, o.tokens, stops), p.answer) for p, o in zip(problems, outs))
     if world > 1:
         device = next(model.parameters()).device
         t = torch.tensor([correct, len(problems)], dtype=torch.float64, device=device)
@@ -41,4 +43,4 @@ def greedy_accuracy(
         correct, total = t.tolist()
     else:
         total = len(problems)
-    return correct / total
+    return correct / total if total else float("nan")

@@ -44,8 +44,12 @@ def stop_token_ids(model_path: str | Path, tokenizer: PreTrainedTokenizerBase) -
 
 
 def sequence_limits(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase) -> tuple[int, int]:
-    """(longest prompt in tokens, longest prompt + completion) for this task, tokenizer and chat template."""
-    prompt = len(encode_prompt(tokenizer, task.longest_prompt(), cfg.tokenizer.use_chat_template))
+    """(longest prompt in tokens, longest prompt + completion) for this task, tokenizer and chat template. With
+    `task.max_prompt_tokens` set, longer prompts are skipped, so that is the bound."""
+    prompt = max(len(encode_prompt(tokenizer, text, cfg.tokenizer)) for text in task.prompts_to_check())
+    cap = getattr(cfg.task, "max_prompt_tokens", 0)
+    if cap:
+        prompt = min(prompt, cap)
     return prompt, prompt + cfg.task.max_new_tokens
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from pipelinerl_fsdp.config import TokenizerConfig
+
 PAD, EOS, UNK = "<|pad|>", "<|endoftext|>", "<|unk|>"
 # Plain concatenation of the user turns: the tiny task model is trained on raw prompts, no role markers.
 PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -74,13 +76,15 @@ def completion_text(tokenizer: PreTrainedTokenizerBase, tokens: list[int], stop_
     return tokenizer.decode(tokens, skip_special_tokens=True)
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, use_chat_template: bool) -> list[int]:
-    """Token ids of a prompt, through the tokenizer's chat template (as a user turn) when asked."""
-    if use_chat_template:
-        if tokenizer.chat_template is None:
-            raise ValueError("tokenizer.use_chat_template = true but the tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
-        )
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, fmt: TokenizerConfig) -> list[int]:
+    """Token ids of a prompt: through the tokenizer's chat template (an optional system turn, then `text` as the
+    user turn, then the generation prompt) when `fmt.use_chat_template`, else the plain text."""
+    if not fmt.use_chat_template:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tokenizer.chat_template is None:
+        raise ValueError("tokenizer.use_chat_template = true but the tokenizer has no chat template")
+    messages = ([{"role": "system", "content": fmt.system_prompt}] if fmt.system_prompt else []) + [
+        {"role": "user", "content": text}
+    ]
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, **fmt.chat_template_kwargs)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

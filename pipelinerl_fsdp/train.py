@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import sys
@@ -9,10 +10,9 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from pipelinerl_fsdp.config import Config, ConfigError, load_config, save_resolved, validate_world
-from pipelinerl_fsdp.world import World, init_world, shutdown
+from pipelinerl_fsdp.world import World, init_world, job_flags, shutdown
 
 
 def run_rl(cfg: Config, world: World) -> None:
@@ -34,8 +34,13 @@ def run_rl(cfg: Config, world: World) -> None:
                 )
             run_warmstart(cfg, world)
             torch.set_num_threads(threads)
+            if world.is_main:
+                job_flags(cfg.world.timeout_s).set("warmstart_done", "1")
+        else:
+            # The warm start may take longer than any collective's time-out: wait on the job's store instead. A
+            # failed trainer ends the job (torchrun stops this rank), so this wait needs no deadline of its own.
+            job_flags(cfg.world.timeout_s).wait(["warmstart_done"], datetime.timedelta(days=7))
         path = cfg.warmstart.path
-    dist.barrier(group=world.control_group)  # inference ranks wait for the warm-start folder
     tokenizer_path = preflight_rl(cfg, path)
     bucket = cfg.world.weight_bucket_mb * 1024**2
     if world.is_trainer:

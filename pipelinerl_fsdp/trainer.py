@@ -127,7 +127,7 @@ class RLTrainer:
             self.task,
             self.tokenizer,
             self.cfg.task.max_new_tokens,
-            self.cfg.tokenizer.use_chat_template,
+            self.cfg.tokenizer,
             w.trainer_rank,
             len(w.trainer_ranks),
             w.trainer_group,
@@ -240,6 +240,7 @@ class RLTrainer:
                 "dropped_stale": c.counts.dropped_samples,
                 "dropped_stale_groups": c.counts.dropped_groups,
                 "filtered_zero_adv": c.counts.filtered_samples,
+                "skipped_long_prompts": sum(st["skipped_prompts"] for st in c.engine_stats.values()),
             }
         )
         if accuracy is not None:

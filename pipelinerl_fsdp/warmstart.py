@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from pipelinerl_fsdp.config import Config, ConfigError
+from pipelinerl_fsdp.config import Config, ConfigError, TokenizerConfig
 from pipelinerl_fsdp.evaluation import greedy_accuracy
 from pipelinerl_fsdp.metrics import WARMSTART_CONSOLE, MetricsLogger
 from pipelinerl_fsdp.models import Transformer, build_model, flavour_args, load_hf_model, save_hf_folder
@@ -66,10 +66,10 @@ def initial_model(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Transforme
 
 
 def encode_supervised(
-    tokenizer: PreTrainedTokenizerBase, problem: Problem, use_chat_template: bool
+    tokenizer: PreTrainedTokenizerBase, problem: Problem, fmt: TokenizerConfig
 ) -> tuple[list[int], list[float]]:
     """Prompt + solution + EOS as one sequence, and the loss mask over its targets (1 on solution tokens)."""
-    prompt = encode_prompt(tokenizer, problem.prompt, use_chat_template)
+    prompt = encode_prompt(tokenizer, problem.prompt, fmt)
     solution = tokenizer(problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     seq = prompt + solution
     mask = [0.0] * (len(prompt) - 1) + [1.0] * len(solution)
@@ -77,7 +77,8 @@ def encode_supervised(
 
 
 def _check_generation_budget(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase) -> None:
-    longest = max(len(tokenizer(p.solution, add_special_tokens=False)["input_ids"]) + 1 for p in task.eval_split())
+    problems = task.eval_split() or [task.train_problem(cfg.job.seed, i) for i in range(100)]
+    longest = max(len(tokenizer(p.solution, add_special_tokens=False)["input_ids"]) + 1 for p in problems)
     if longest > cfg.task.max_new_tokens:
         raise ConfigError(
             f"task.max_new_tokens = {cfg.task.max_new_tokens} is too small: held-out solutions of "
@@ -130,7 +131,7 @@ def run_warmstart(cfg: Config, world: World) -> Path:
             task,
             tokenizer,
             cfg.task.max_new_tokens,
-            cfg.tokenizer.use_chat_template,
+            cfg.tokenizer,
             dp_rank,
             n_ranks,
             group,
@@ -141,7 +142,7 @@ def run_warmstart(cfg: Config, world: World) -> Path:
     t_last = time.time()
     accuracy = float("nan")
     for step in range(ws.steps):
-        encoded = [encode_supervised(tokenizer, next(stream), cfg.tokenizer.use_chat_template) for _ in range(per_rank)]
+        encoded = [encode_supervised(tokenizer, next(stream), cfg.tokenizer) for _ in range(per_rank)]
         seqs, masks = [e[0] for e in encoded], [e[1] for e in encoded]
         n_loss_tokens = sum_over_ranks([sum(sum(m) for m in masks)], group, device)[0]
 

@@ -148,6 +148,17 @@ def init_world(cfg: Config) -> World:
     )
 
 
+def job_flags(timeout_s: float) -> dist.Store:
+    """A client of the job's TCPStore (torchrun's, at MASTER_ADDR:MASTER_PORT) for one-off flags between ranks."""
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return dist.PrefixStore("pipelinerl/flags/", store)
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """The inference-rank loop: keep the engine full of prompt groups, take in-flight weight updates between two engine
-steps, score finished groups (reward + group advantage: the preprocessor stage) and queue them to the trainer.
+steps, score finished completions (the task's scorer: inline, or a pool of reward workers off this loop), and
+queue each group, with its rewards and group advantages (the preprocessor stage), to the trainer.
 
 The loop talks to the engine only through `inference.engine.Engine` (built by `inference.factory`); it polls
 the weight-update header between engine steps and hands each update to the engine.
@@ -25,6 +26,7 @@ from pipelinerl_fsdp.faults import maybe_fail
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.factory import build_engine
 from pipelinerl_fsdp.preflight import stop_token_ids
+from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import group_advantages
 from pipelinerl_fsdp.tasks import Problem, ProblemStream, make_task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer
@@ -37,7 +39,8 @@ from pipelinerl_fsdp.world import World
 class _Group:
     problem: Problem
     prompt_ids: list[int]
-    done: list[Request] = field(default_factory=list)
+    done: dict[int, Request] = field(default_factory=dict)  # request id -> finished request
+    scores: dict[int, tuple[float, str]] = field(default_factory=dict)  # request id -> (reward, outcome)
 
 
 class InferenceWorker:
@@ -48,15 +51,23 @@ class InferenceWorker:
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)
         self.task = make_task(cfg.task)
+        self.scorer = self.task.scorer()
         inf = cfg.inference
         self.engine, self.receiver = build_engine(cfg, world, str(model_path), tokenizer_path, bucket_bytes)
         self.sender = RolloutSender(world.rollout_group, world.trainer_ranks[0], inf.max_queued_groups)
         n_inf = len(world.inference_ranks)
         self.stream = ProblemStream(self.task, cfg.job.seed, offset=world.inference_index, stride=n_inf)
+        # a group's id is its problem's stream position: unique across engines, and the resume position
         self.groups: dict[int, _Group] = {}
-        self._next_gid = world.inference_index
-        self._gid_stride = n_inf
-        self.stats = {"gen_tokens": 0.0, "busy_s": 0.0, "elapsed_s": 0.0, "update_pause_ms": 0.0}
+        self.stats = {
+            "gen_tokens": 0.0,
+            "busy_s": 0.0,
+            "elapsed_s": 0.0,
+            "update_pause_ms": 0.0,
+            "skipped_prompts": 0.0,
+        }
+        # prompts over task.max_prompt_tokens (tasks that have the key) are skipped and counted
+        self._max_prompt = getattr(cfg.task, "max_prompt_tokens", 0)
         self._t0 = time.perf_counter()
         self.stopped = False
         self.mode = cfg.rl.mode
@@ -76,7 +87,6 @@ class InferenceWorker:
         nxt = read_meta(path)["stream_next"].get(str(self.world.inference_index))
         if nxt is not None:
             self.stream.reset({"index": nxt})
-            self._next_gid = nxt
         self._take_update()  # the trainer pushes the restored weights first
 
     def _take_update(self) -> None:
@@ -135,31 +145,56 @@ class InferenceWorker:
         self.stats["elapsed_s"] = time.perf_counter() - self._t0
 
     def _add_group(self) -> None:
-        problem = next(self.stream)
-        ids = encode_prompt(self.tokenizer, problem.prompt, self.cfg.tokenizer.use_chat_template)
-        gid = self._next_gid
-        self._next_gid += self._gid_stride
+        while True:
+            gid = self.stream.get_state()["index"]
+            problem = next(self.stream)
+            ids = encode_prompt(self.tokenizer, problem.prompt, self.cfg.tokenizer)
+            if not self._max_prompt or len(ids) <= self._max_prompt:
+                break
+            self.stats["skipped_prompts"] += 1
         self.groups[gid] = _Group(problem, ids)
         for a in range(self.cfg.rl.attempts):
             self.engine.add(Request(gid * self.cfg.rl.attempts + a, ids, self.cfg.task.max_new_tokens))
         self._round_left -= 1
 
     def _finish(self, req: Request) -> None:
-        gid = req.request_id // self.cfg.rl.attempts
-        g = self.groups[gid]
-        g.done.append(req)
-        if len(g.done) < self.cfg.rl.attempts:
-            return
-        del self.groups[gid]
+        """A completion is done: hand it to the scorer (its group is sent once every attempt is scored)."""
+        g = self.groups[req.request_id // self.cfg.rl.attempts]
+        g.done[req.request_id] = req
+        text = completion_text(self.tokenizer, req.tokens, self.stop_ids)
+        self.scorer.submit(req.request_id, text, g.problem.answer, req.finished)
+
+    def _collect_scores(self) -> None:
+        """Take the scores that are ready; send every group whose attempts are all scored."""
+        for rid, reward, outcome in self.scorer.ready():
+            gid = rid // self.cfg.rl.attempts
+            g = self.groups[gid]
+            g.scores[rid] = (reward, outcome)
+            if len(g.scores) == self.cfg.rl.attempts:
+                del self.groups[gid]
+                self._send_group(gid, g)
+
+    def _send_group(self, gid: int, g: _Group) -> None:
         rl = self.cfg.rl
-        rewards = [
-            self.task.reward(g.problem, completion_text(self.tokenizer, r.tokens, self.stop_ids)) for r in g.done
-        ]
+        rids = sorted(g.done)
+        rewards = [g.scores[r][0] for r in rids]
         advs = group_advantages(rewards, rl.baseline, rl.std_normalize)
-        samples = [
-            Sample(gid, g.prompt_ids, r.tokens, r.logprobs, r.versions, rw, a, r.finished)
-            for r, rw, a in zip(g.done, rewards, advs)
-        ]
+        samples = []
+        for rid, reward, adv in zip(rids, rewards, advs):
+            r = g.done[rid]
+            samples.append(
+                Sample(
+                    gid,
+                    g.prompt_ids,
+                    r.tokens,
+                    r.logprobs,
+                    r.versions,
+                    reward,
+                    adv,
+                    r.finished,
+                    OUTCOME_CODE[g.scores[rid][1]],
+                )
+            )
         # Backpressure: wait while the queue is full, but keep taking weight updates meanwhile.
         while not self.stopped:
             self._snapshot_stats()
@@ -169,6 +204,8 @@ class InferenceWorker:
 
     def run(self) -> None:
         attempts, cap = self.cfg.rl.attempts, self.cfg.inference.max_num_seqs
+        # groups in the engine or waiting for their scores: scoring slower than generation must not let them pile up
+        max_groups = 2 * (cap // attempts)
         n_steps = 0
         while not self.stopped:
             maybe_fail(self.world.rank, n_steps)
@@ -176,10 +213,15 @@ class InferenceWorker:
             self._service_update()
             if self.stopped:
                 break
-            while self._may_admit() and self.engine.num_unfinished() + attempts <= cap:
+            self._collect_scores()
+            while (
+                self._may_admit() and self.engine.num_unfinished() + attempts <= cap and len(self.groups) < max_groups
+            ):
                 self._add_group()
             if self.engine.num_unfinished() == 0:
-                if self.mode == "async" and self._staged is not None:
+                if self.groups:  # everything generated, scores still coming
+                    time.sleep(0.002)
+                elif self.mode == "async" and self._staged is not None:
                     self._apply_staged()
                 elif self.mode == "conventional" and self._round_left <= 0:
                     self._take_update()  # blocks while the trainer trains on this round's samples
@@ -188,6 +230,7 @@ class InferenceWorker:
             finished = self.engine.step()
             for r in finished:
                 self._finish(r)
+        self.scorer.close()
         self.sender.close()
         self.engine.close()
 

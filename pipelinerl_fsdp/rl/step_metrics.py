@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipelinerl_fsdp.rewards.outcomes import OUTCOMES
 from pipelinerl_fsdp.rl.ess import ess_from_sums
 from pipelinerl_fsdp.transport.rollouts import Sample
 
@@ -46,6 +47,12 @@ def zero_advantage_group_frac(samples: list[Sample]) -> float:
     return sum(1 for r in rewards.values() if len(r) == 1) / max(len(rewards), 1)
 
 
+def outcome_fractions(samples: list[Sample]) -> dict[str, float]:
+    """`outcome/<kind>`: share of the batch's samples per reward outcome (correct, wrong, no_answer, ...)."""
+    n = max(len(samples), 1)
+    return {f"outcome/{name}": sum(1 for s in samples if s.outcome == code) / n for code, name in enumerate(OUTCOMES)}
+
+
 def step_metrics(
     samples: list[Sample],
     trained_version: int,
@@ -59,6 +66,7 @@ def step_metrics(
     tokens = max(sums["tokens"], 1.0)
     engine_elapsed = max(engines.elapsed_s - engines_before.elapsed_s, 1e-9)
     return {
+        **outcome_fractions(samples),
         "version": trained_version + 1,
         "reward_mean": sum(s.reward for s in samples) / len(samples),
         "ess": ess_from_sums(sums["sum_w"], sums["sum_w2"], sums["tokens"]),

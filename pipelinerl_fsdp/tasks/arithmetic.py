@@ -41,8 +41,8 @@ class Addition(GeneratedTask):
         a, b = _number(rng, self.cfg.digits), _number(rng, self.cfg.digits)
         return Problem(prompt=f"{a}+{b}=", answer=str(a + b), solution=str(a + b))
 
-    def reward(self, problem: Problem, completion: str) -> float:
-        return float(completion.strip() == problem.answer)
+    def reward(self, completion: str, answer: str) -> float:
+        return float(completion.strip() == answer)
 
     def longest_prompt(self) -> str:
         n = "9" * self.cfg.digits
@@ -86,11 +86,11 @@ class ChainSum(GeneratedTask):
             prompt="+".join(map(str, terms)) + "=", answer=str(total), solution="\n".join(steps) + f"\nA:{total}"
         )
 
-    def reward(self, problem: Problem, completion: str) -> float:
+    def reward(self, completion: str, answer: str) -> float:
         text = completion.rstrip()
         if "A:" not in text:
             return 0.0
-        return float(text.rsplit("A:", 1)[1] == problem.answer)
+        return float(text.rsplit("A:", 1)[1] == answer)
 
     def longest_prompt(self) -> str:
         return "+".join(["9" * self.cfg.digits] * self.cfg.max_terms) + "="

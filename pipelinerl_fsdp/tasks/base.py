@@ -17,6 +17,7 @@ from typing import Any, ClassVar, TypeVar
 from torchdata.nodes import BaseNode
 
 from pipelinerl_fsdp.config import TaskConfig
+from pipelinerl_fsdp.rewards.scorer import InlineScorer, Scorer
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,23 @@ class Task(ABC):
         """The held-out evaluation problems (fixed for a given config)."""
 
     @abstractmethod
-    def reward(self, problem: Problem, completion: str) -> float:
-        """Reward of a completion (its text before the stop token), 1.0 for a correct answer."""
+    def reward(self, completion: str, answer: str) -> float:
+        """Reward of a completion (its text before the stop token) given the problem's gold answer, 1.0 for a
+        correct answer. Called in this process (held-out evaluation); rollouts go through `scorer()`."""
+
+    def scorer(self) -> Scorer:
+        """How the inference loop scores rollouts: by default `reward` right away (cheap, exact rewards); a task
+        with slow or fragile checking returns a `PoolScorer` (worker processes with deadlines)."""
+        return InlineScorer(self.reward)
 
     @abstractmethod
     def longest_prompt(self) -> str:
         """A prompt at least as long as any this task produces: start-up checks size the budgets from it."""
+
+    def prompts_to_check(self) -> list[str]:
+        """The prompts whose token counts bound every prompt's (a task from files returns all of them, since the
+        longest in characters need not be the longest in tokens)."""
+        return [self.longest_prompt()]
 
 
 class GeneratedTask(Task):
@@ -125,12 +137,19 @@ def task_class(name: str) -> type[Task]:
     return TASKS[name]
 
 
+_BUILT: dict[str, Task] = {}
+
+
 def make_task(cfg: TaskConfig) -> Task:
-    """The task named by `cfg.name`, built from its config."""
-    cls = task_class(cfg.name)
-    if not isinstance(cfg, cls.config_class):
-        raise TypeError(f"task {cfg.name!r} needs a {cls.config_class.__name__}, got {type(cfg).__name__}")
-    return cls(cfg)
+    """The task named by `cfg.name`, built from its config (once per process and config: a task from files reads
+    and checks them when built)."""
+    key = repr(cfg)
+    if key not in _BUILT:
+        cls = task_class(cfg.name)
+        if not isinstance(cfg, cls.config_class):
+            raise TypeError(f"task {cfg.name!r} needs a {cls.config_class.__name__}, got {type(cfg).__name__}")
+        _BUILT[key] = cls(cfg)
+    return _BUILT[key]
 
 
 class ProblemStream(BaseNode[Problem]):

@@ -22,7 +22,7 @@ HEADER_TAG, INTS_TAG, FLOATS_TAG = 1, 2, 3
 DATA, DONE = 1, 2
 _HEADER_LEN = 4  # kind, n_samples, n_ints, n_floats
 # Cumulative engine counters sent with every message (first floats of the payload), for throughput metrics.
-ENGINE_STATS = ("gen_tokens", "busy_s", "elapsed_s", "update_pause_ms")
+ENGINE_STATS = ("gen_tokens", "busy_s", "elapsed_s", "update_pause_ms", "skipped_prompts")
 
 
 @dataclass
@@ -36,7 +36,8 @@ class Sample:
     versions: list[int]  # policy version that produced each completion token
     reward: float
     advantage: float = 0.0
-    finished: bool = True  # stopped on EOS (False: cut at max_tokens)
+    finished: bool = True  # ended on a stop token (False: cut at max_tokens)
+    outcome: int = 0  # rewards.outcomes.OUTCOMES index: what the reward function concluded
 
 
 def encode_samples(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +47,7 @@ def encode_samples(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tenso
     for s in samples:
         if not (len(s.completion_ids) == len(s.logprobs) == len(s.versions)):
             raise ValueError(f"sample of group {s.group_id}: completion, logprobs and versions differ in length")
-        ints += [s.group_id, len(s.prompt_ids), len(s.completion_ids), int(s.finished)]
+        ints += [s.group_id, len(s.prompt_ids), len(s.completion_ids), int(s.finished), s.outcome]
         ints += s.prompt_ids + s.completion_ids + s.versions
         floats += [s.reward, s.advantage] + s.logprobs
     return torch.tensor(ints, dtype=torch.long), torch.tensor(floats, dtype=torch.float32)
@@ -57,14 +58,14 @@ def decode_samples(n: int, ints: torch.Tensor, floats: torch.Tensor) -> list[Sam
     iv, fv = ints.tolist(), floats.tolist()
     out, i, f = [], 0, 0
     for _ in range(n):
-        gid, lp, lc, fin = iv[i : i + 4]
-        i += 4
+        gid, lp, lc, fin, outcome = iv[i : i + 5]
+        i += 5
         prompt, comp, vers = iv[i : i + lp], iv[i + lp : i + lp + lc], iv[i + lp + lc : i + lp + 2 * lc]
         i += lp + 2 * lc
         reward, adv = fv[f : f + 2]
         logprobs = fv[f + 2 : f + 2 + lc]
         f += 2 + lc
-        out.append(Sample(gid, prompt, comp, logprobs, vers, reward, adv, bool(fin)))
+        out.append(Sample(gid, prompt, comp, logprobs, vers, reward, adv, bool(fin), outcome))
     if i != len(iv) or f != len(fv):
         raise RuntimeError("rollout message: payload longer than its samples (corrupt or mismatched message)")
     return out

@@ -15,9 +15,9 @@ def test_addition_problem_and_reward():
     a, b = map(int, p.prompt.rstrip("=").split("+"))
     assert 100 <= a <= 999 and 100 <= b <= 999
     assert p.answer == str(a + b) == p.solution
-    assert task.reward(p, p.answer) == 1.0
-    assert task.reward(p, p.answer + "1") == 0.0
-    assert task.reward(p, "") == 0.0
+    assert task.reward(p.answer, p.answer) == 1.0
+    assert task.reward(p.answer + "1", p.answer) == 0.0
+    assert task.reward("", p.answer) == 0.0
 
 
 def test_chain_sum_steps_and_varied_lengths():
@@ -28,8 +28,8 @@ def test_chain_sum_steps_and_varied_lengths():
         terms = list(map(int, p.prompt.rstrip("=").split("+")))
         assert 2 <= len(terms) <= 8
         assert p.answer == str(sum(terms))
-        assert task.reward(p, p.solution) == 1.0
-        assert task.reward(p, p.solution.replace(f"A:{p.answer}", "A:0" if p.answer != "0" else "A:1")) == 0.0
+        assert task.reward(p.solution, p.answer) == 1.0
+        assert task.reward(p.solution.replace(f"A:{p.answer}", "A:0" if p.answer != "0" else "A:1"), p.answer) == 0.0
         assert set(p.prompt + p.solution) <= set(ALPHABET)
         assert len(p.solution.splitlines()) == len(terms)
     lengths = [len(p.solution) for p in problems]

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from pipelinerl_fsdp.config import TokenizerConfig
 from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
 from pipelinerl_fsdp.tasks import TASKS
 from pipelinerl_fsdp.tokenizer import EOS, build_char_tokenizer, completion_text, encode_prompt, load_tokenizer
@@ -39,7 +40,9 @@ def test_saved_folder_loads_back_as_the_same_tokenizer(tmp_path, flavour):
             assert again.decode(again(text, add_special_tokens=False)["input_ids"]) == text
     assert again.eos_token_id == tok.eos_token_id and again.pad_token_id == tok.pad_token_id
     assert again(EOS + "1", add_special_tokens=False)["input_ids"] == [1, tok.convert_tokens_to_ids("1")]
-    assert encode_prompt(again, "1+2=", use_chat_template=True) == encode_prompt(again, "1+2=", False)
+    assert encode_prompt(again, "1+2=", TokenizerConfig(use_chat_template=True)) == encode_prompt(
+        again, "1+2=", TokenizerConfig()
+    )
 
 
 def test_completion_text_stops_at_the_first_stop_token():
