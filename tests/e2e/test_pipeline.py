@@ -90,8 +90,10 @@ VLLM = pytest.param(
 
 @pytest.mark.parametrize("engine", [VLLM, "reference"])
 def test_default_pipeline_learns(default_warmstart, tmp_path, engine):
-    """The default configuration (1 engine + 1 trainer) from the default warm start, 200 steps, fixed seed:
-    mean reward of the last 20 steps exceeds that of the first 20 by at least 0.15."""
+    """The default configuration (1 engine + 1 trainer) from the default warm start, 200 steps, fixed seed: the
+    held-out greedy accuracy (a fixed set of 500 problems) closes at least 35% of the gap between the warm start
+    and 1.0. Measured, 5 runs per engine on a 2-core machine (warm start 0.764): 0.906-0.932 at step 200, i.e.
+    60-71% of the gap (vLLM 0.910-0.916, reference 0.906-0.932)."""
     folder, ws_out, ws = default_warmstart
     assert ws.returncode == 0, ws.stderr[-3000:]
     r = torchrun(
@@ -106,14 +108,12 @@ def test_default_pipeline_learns(default_warmstart, tmp_path, engine):
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     recs = records(tmp_path)
-    first = sum(x["reward_mean"] for x in recs[:20]) / 20
-    last = sum(x["reward_mean"] for x in recs[-20:]) / 20
-    assert last - first >= 0.15, (first, last)
-    # held-out greedy accuracy (measured at steps 100 and 200) beats the warm start's
     warm_acc = json.loads((ws_out / "warmstart" / "metrics.jsonl").read_text().splitlines()[-1])["eval_accuracy"]
     evals = [x["eval_accuracy"] for x in recs if "eval_accuracy" in x]
-    assert len(evals) == 2 and evals[-1] >= warm_acc + 0.1, (warm_acc, evals)
-    assert min(x["ess"] for x in recs) > 0.5 and max(x["lag_max"] for x in recs) <= 8
+    assert len(evals) == 2 and (evals[-1] - warm_acc) / (1 - warm_acc) >= 0.35, (warm_acc, evals)
+    # nearly on-policy (measured min ESS 0.947), and the queues bound the lag: nothing aged out
+    assert min(x["ess"] for x in recs) > 0.8
+    assert max(x["lag_max"] for x in recs) <= pipeline_lag_bound(64, 8, 64, 2, 1) and recs[-1]["dropped_stale"] == 0
 
 
 @pytest.mark.parametrize(
