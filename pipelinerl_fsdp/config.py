@@ -152,6 +152,9 @@ class InferenceConfig:
     # vLLM on GPU: fraction of each engine GPU's memory vLLM may use; GPUs per engine (tensor parallelism)
     gpu_memory_utilization: float = 0.85
     tensor_parallel_size: int = 1
+    # vLLM: tokens per engine step; 0: every slot's whole context on CPU (a split prompt crashes seeded sampling
+    # there), vLLM's default on GPU
+    max_num_batched_tokens: int = 0
     # weights of the engines and of the weight broadcast; auto: bfloat16 on GPU, float32 on CPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
@@ -250,6 +253,7 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("inference", "cpu_cores_per_engine"): (lambda v: v >= 0, ">= 0"),
     ("inference", "gpu_memory_utilization"): (lambda v: 0 < v <= 1, "in (0, 1]"),
     ("inference", "tensor_parallel_size"): (lambda v: v >= 1, ">= 1"),
+    ("inference", "max_num_batched_tokens"): (lambda v: v >= 0, ">= 0"),
     ("rl", "attempts"): (lambda v: v >= 1, ">= 1"),
     ("rl", "batch_size"): (lambda v: v >= 1, ">= 1"),
     ("rl", "max_steps"): (lambda v: v >= 1, ">= 1"),

@@ -63,6 +63,15 @@ def sampling_params(
     )
 
 
+def prefill_token_budget(max_num_seqs: int, max_len: int, on_gpu: bool) -> int:
+    """vLLM's tokens per engine step (`max_num_batched_tokens`) when the config leaves it at 0 (0: vLLM's default).
+
+    On CPU a prompt split over two steps (chunked prefill) crashes a request that has its own seed: vLLM rewinds
+    the request's generator, and CPU generators have no offset ("CPU Generator does not use offset"). A budget of
+    every slot's whole context never splits a prompt. On GPU, vLLM's own default (chunked prefill) is right."""
+    return 0 if on_gpu else max_num_seqs * max_len
+
+
 def versions_from_segments(segments: list[tuple[int, int]], n: int) -> list[int]:
     """Per-token versions of `n` tokens from (first token index, version) segments in the order they were
     recorded; a later segment overrides an earlier one from its start on."""
@@ -110,6 +119,7 @@ class VLLMEngine(Engine):
             tokenizer=s.tokenizer_path,
             stop_token_ids=s.stop_token_ids,
             debug=cfg.job.debug,
+            max_num_batched_tokens=inf.max_num_batched_tokens,
         )
         # header only on this process; the engine's workers join the bucket group with the first trainer rank
         receiver = WeightReceiver(
@@ -147,6 +157,7 @@ class VLLMEngine(Engine):
         tokenizer: str | Path | None = None,
         stop_token_ids: list[int] | None = None,
         debug: bool = False,
+        max_num_batched_tokens: int = 0,
     ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -193,6 +204,9 @@ class VLLMEngine(Engine):
         )
         if placement.gpu_ids is not None:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        budget = max_num_batched_tokens or prefill_token_budget(max_num_seqs, max_len, placement.gpu_ids is not None)
+        if budget:
+            kwargs["max_num_batched_tokens"] = budget
         self.llm = self._call(self._start(kwargs), start_timeout_s)
 
     # -- loop-thread side ---------------------------------------------------------------------------------------
