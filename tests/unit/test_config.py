@@ -56,7 +56,7 @@ def test_int_accepted_for_float(tmp_path):
         (
             "[task]\nname = 'poetry'\n",
             r"task\.name = 'poetry' is not a registered task; registered: addition, "
-            r"chain_sum \(.*c\.toml\)",
+            r"chain_sum, math \(.*c\.toml\)",
         ),
         ("[trainer.optimizer]\nlr = -1.0\n", r"trainer\.optimizer\.lr = -1\.0 must be > 0 \(.*c\.toml\)"),
         (

@@ -66,5 +66,5 @@ def test_stream_resumes_exactly_and_strides_disjoint():
 
 
 def test_unknown_task():
-    with pytest.raises(ValueError, match="unknown task 'poetry'; registered tasks: addition, chain_sum"):
+    with pytest.raises(ValueError, match="unknown task 'poetry'; registered tasks: addition, chain_sum, math"):
         make_task(TaskConfig(name="poetry"))
