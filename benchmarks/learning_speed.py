@@ -254,7 +254,7 @@ def main() -> None:
         a.config,
         f"--world.inference_ranks={a.inference_ranks}",
         f"--rl.max_steps={steps}",
-        "--rl.eval_every=0",
+        "--eval.every=0",
         "--metrics.log_every=25",
         *overrides,
         *a.extra,

@@ -12,12 +12,13 @@ Rules (the pure parts are functions below, unit-tested):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipelinerl_fsdp.config import RLConfig
 from pipelinerl_fsdp.rl.advantages import is_zero_advantage_group
-from pipelinerl_fsdp.transport.rollouts import Sample
+from pipelinerl_fsdp.transport.rollouts import EvalReport, Sample
 
 Group = list[Sample]
 
@@ -25,7 +26,7 @@ Group = list[Sample]
 class GroupSource(Protocol):
     """What the collector reads from (the rollout receiver; a fake in unit tests)."""
 
-    def get(self, timeout: float) -> tuple[int, Group, dict[str, float]] | None: ...
+    def get(self, timeout: float) -> tuple[int, Group | EvalReport, dict[str, float]] | None: ...
 
     def qsize(self) -> int: ...
 
@@ -63,6 +64,8 @@ class Collector:
     # inference index -> newest group id received from it (for the prompt streams' resume positions)
     max_gid: dict[int, int] = field(default_factory=dict)
     _round: list[list[Sample]] = field(default_factory=list)
+    # evaluation reports that arrived with the rollouts (never trained on), for the trainer to log
+    eval_reports: list[EvalReport] = field(default_factory=list)
 
     def stream_next(self) -> dict[str, int]:
         """Per inference index, the prompt-stream position after the newest group received (for resume)."""
@@ -99,15 +102,36 @@ class Collector:
                         f"no rollouts for {timeout_s:.0f} s (world.timeout_s): are the inference ranks alive?"
                     )
                 continue
-            src, group, stats = got
-            self.engine_stats[src] = stats
-            gid = group[0].group_id
-            key = gid % self.n_engines
-            self.max_gid[key] = max(self.max_gid.get(key, -1), gid)
-            if self.rl.filter_zero_advantage and is_zero_advantage_group([s.reward for s in group]):
-                self.counts.filtered_groups += 1
-                self.counts.filtered_samples += len(group)
-                continue
-            self.buffer += self._drop_stale([group], version)
+            self._take(got, version)
         taken, self.buffer = self.buffer[:want], self.buffer[want:]
         return [s for g in taken for s in g]
+
+    def _take(self, got: tuple[int, Group | EvalReport, dict[str, float]], version: int) -> None:
+        """File one received item: an evaluation report aside, a group into the buffer (unless filtered/stale)."""
+        src, payload, stats = got
+        self.engine_stats[src] = stats
+        if isinstance(payload, EvalReport):
+            self.eval_reports.append(payload)
+            return
+        group = payload
+        gid = group[0].group_id
+        key = gid % self.n_engines
+        self.max_gid[key] = max(self.max_gid.get(key, -1), gid)
+        if self.rl.filter_zero_advantage and is_zero_advantage_group([s.reward for s in group]):
+            self.counts.filtered_groups += 1
+            self.counts.filtered_samples += len(group)
+            return
+        self.buffer += self._drop_stale([group], version)
+
+    def wait_for(self, done: Callable[[], bool], version: int, timeout_s: float, what: str) -> None:
+        """Keep receiving (groups go to the buffer) until `done()` holds; an error naming `what` after
+        `timeout_s`."""
+        t0 = time.perf_counter()
+        while not done():
+            got = self.source.get(timeout=0.5)
+            if got is not None:
+                self._take(got, version)
+            elif self.source.finished():
+                raise RuntimeError(f"the inference ranks stopped before {what}")
+            elif time.perf_counter() - t0 > timeout_s:
+                raise TimeoutError(f"waited {timeout_s:.0f} s (world.timeout_s) for {what}")

@@ -185,8 +185,23 @@ class RLConfig:
     max_lag: int = 8
     # push weights to the engines every sync_every optimizer steps (G of the conventional mode)
     sync_every: int = 1
-    # held-out greedy exact-match every eval_every steps and at the end (0: never), logged as eval_accuracy
-    eval_every: int = 50
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation on the inference engines, alongside the rollouts (never trained on)."""
+
+    # evaluate every task evaluation set when the engines load a policy version that is a multiple of this, and
+    # the final one (0: never); results as eval/<set>/pass@k with eval/<set>/version
+    every: int = 0
+    # also evaluate the initial policy (version 0)
+    at_start: bool = False
+    # completions per problem, and the k of the unbiased pass@k estimates (each <= samples)
+    samples: int = 1
+    pass_k: list[int] = field(default_factory=lambda: [1])
+    # evaluation sampling: temperature 0 is greedy; top_p < 1 is allowed here (nothing is trained on these)
+    temperature: float = 0.0
+    top_p: float = 1.0
 
 
 @dataclass
@@ -215,6 +230,10 @@ class CheckpointConfig:
 class MetricsConfig:
     log_every: int = 10
     tensorboard: bool = True
+    # write the trained batch to <output_dir>/rl/rollouts/step-N.jsonl every this many steps (0: never, 1: all)
+    rollouts_every: int = 0
+    # rollouts per console-logged step in TensorBoard's text tab (0: none)
+    rollouts_in_tensorboard: int = 2
 
 
 @dataclass
@@ -228,6 +247,7 @@ class Config:
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -262,12 +282,17 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("rl", "max_lag"): (lambda v: v >= 0, ">= 0"),
     ("rl", "kl_coef"): (lambda v: v >= 0, ">= 0"),
     ("rl", "sync_every"): (lambda v: v >= 1, ">= 1"),
-    ("rl", "eval_every"): (lambda v: v >= 0, ">= 0"),
+    ("eval", "every"): (lambda v: v >= 0, ">= 0"),
+    ("eval", "samples"): (lambda v: v >= 1, ">= 1"),
+    ("eval", "temperature"): (lambda v: v >= 0, ">= 0 (0: greedy)"),
+    ("eval", "top_p"): (lambda v: 0 < v <= 1, "in (0, 1]"),
     ("world", "timeout_s"): (lambda v: v >= 10, ">= 10 seconds"),
     ("world", "inference_ranks"): (lambda v: v >= 0, ">= 0"),
     ("world", "weight_bucket_mb"): (lambda v: v >= 1, ">= 1"),
     ("job", "threads_per_rank"): (lambda v: v >= 0, ">= 0"),
     ("metrics", "log_every"): (lambda v: v >= 1, ">= 1"),
+    ("metrics", "rollouts_every"): (lambda v: v >= 0, ">= 0"),
+    ("metrics", "rollouts_in_tensorboard"): (lambda v: v >= 0, ">= 0"),
     ("checkpoint", "interval"): (lambda v: v >= 0, ">= 0"),
     ("checkpoint", "keep"): (lambda v: v >= 1, ">= 1"),
 }
@@ -441,6 +466,11 @@ def validate(cfg: Config) -> None:
     for sec in _sections():
         _sub_checks(getattr(cfg, sec), sec, cfg.source)
     rl = cfg.rl
+    if not cfg.eval.pass_k or any(not 1 <= k <= cfg.eval.samples for k in cfg.eval.pass_k):
+        raise ConfigError(
+            f"eval.pass_k = {cfg.eval.pass_k} must list k values in [1, eval.samples = "
+            f"{cfg.eval.samples}] ({cfg.source})"
+        )
     if cfg.inference.max_num_seqs < rl.attempts:
         raise ConfigError(
             f"inference.max_num_seqs = {cfg.inference.max_num_seqs} must be >= rl.attempts = "

@@ -1,6 +1,9 @@
-"""Held-out evaluation: greedy generation on a task's fixed split, exact-match reward, split across ranks."""
+"""Held-out evaluation: greedy accuracy on a local model (the warm start, which has no engines), and the pieces of
+evaluation on the inference engines: unbiased pass@k and the join of the engines' reports."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -11,6 +14,7 @@ from pipelinerl_fsdp.inference.generate import generate
 from pipelinerl_fsdp.models.decoder import Transformer
 from pipelinerl_fsdp.tasks import Task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt
+from pipelinerl_fsdp.transport.rollouts import EvalReport
 
 
 @torch.no_grad()
@@ -44,3 +48,44 @@ def greedy_accuracy(
     else:
         total = len(problems)
     return correct / total if total else float("nan")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem from n samples with c correct: 1 - C(n - c, k) / C(n, k)."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+class EvalAggregator:
+    """Joins the engines' reports of each (set, version); complete once every engine has reported."""
+
+    def __init__(self, set_names: list[str], n_engines: int, pass_k: list[int]) -> None:
+        self.set_names, self.n_engines, self.pass_k = set_names, n_engines, pass_k
+        self._parts: dict[tuple[int, int], list[EvalReport]] = {}
+        self.done: set[tuple[int, int]] = set()
+
+    def add(self, report: EvalReport) -> dict[str, float]:
+        """Take a report; returns the set's metrics (`eval/<set>/pass@k`, `.../version`, `.../problems`) when the
+        (set, version) it belongs to is complete, else {}."""
+        key = (report.set_index, report.version)
+        parts = self._parts.setdefault(key, [])
+        parts.append(report)
+        if len(parts) < self.n_engines:
+            return {}
+        del self._parts[key]
+        self.done.add(key)
+        name = self.set_names[report.set_index]
+        counts = [(r.samples, c) for r in parts for c in r.correct]
+        out = {f"eval/{name}/version": float(report.version), f"eval/{name}/problems": float(len(counts))}
+        for k in self.pass_k:
+            out[f"eval/{name}/pass@{k}"] = (
+                sum(pass_at_k(n, c, k) for n, c in counts) / len(counts) if counts else float("nan")
+            )
+        return out
+
+    def complete(self, version: int) -> bool:
+        """Every set has been reported in full for `version`."""
+        return all((i, version) in self.done for i in range(len(self.set_names)))

@@ -12,7 +12,6 @@ from typing import Any
 ConsoleFields = list[tuple[str, str, str]]
 RL_CONSOLE: ConsoleFields = [
     ("reward_mean", "reward", "{:.3f}"),
-    ("eval_accuracy", "eval", "{:.3f}"),
     ("ess", "ess", "{:.3f}"),
     ("lag_mean", "lag", "{:.2f}"),
     ("lag_max", "max", "{:d}"),
@@ -25,6 +24,14 @@ WARMSTART_CONSOLE: ConsoleFields = [
     ("eval_accuracy", "eval", "{:.3f}"),
     ("train_tokens_per_s", "tok/s", "{:.0f}"),
 ]
+
+
+def rl_console(eval_set: str | None) -> ConsoleFields:
+    """The RL console fields, with the first evaluation set's pass@1 (when there is one) after the reward."""
+    fields = list(RL_CONSOLE)
+    if eval_set:
+        fields.insert(1, (f"eval/{eval_set}/pass@1", "eval", "{:.3f}"))
+    return fields
 
 
 def format_duration(seconds: float) -> str:
@@ -106,6 +113,11 @@ class MetricsLogger:
         if console:
             stage = self.prefix.rstrip("/") or "rl"
             print(console_line(stage, step, self.total_steps, elapsed, values, self.console_fields, eta), flush=True)
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """Text (markdown) in TensorBoard's text tab."""
+        if self._writer is not None:
+            self._writer.add_text(f"{self.prefix}{tag}", text, step)
 
     def close(self) -> None:
         if self._writer is not None:

@@ -18,11 +18,11 @@ from transformers import PreTrainedTokenizerBase
 from pipelinerl_fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from pipelinerl_fsdp.collector import Collector
 from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
-from pipelinerl_fsdp.evaluation import greedy_accuracy
+from pipelinerl_fsdp.evaluation import EvalAggregator
 from pipelinerl_fsdp.faults import maybe_fail
 from pipelinerl_fsdp.inference.factory import engine_kind
 from pipelinerl_fsdp.inference.placement import engine_dtype
-from pipelinerl_fsdp.metrics import RL_CONSOLE, MetricsLogger
+from pipelinerl_fsdp.metrics import MetricsLogger, rl_console
 from pipelinerl_fsdp.models import load_hf_model, save_hf_folder
 from pipelinerl_fsdp.parallelize import full_state_dict
 from pipelinerl_fsdp.policy import build_policy, shard
@@ -30,6 +30,7 @@ from pipelinerl_fsdp.preflight import stop_token_ids
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
 from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics
+from pipelinerl_fsdp.rollout_log import RolloutLog, as_text
 from pipelinerl_fsdp.tasks import make_task
 from pipelinerl_fsdp.tokenizer import load_tokenizer
 from pipelinerl_fsdp.train_step import add_reference_logprobs, forward_backward, sum_over_ranks
@@ -86,8 +87,10 @@ class RLTrainer:
         self.tokenizer = load_tokenizer(tokenizer_path)
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)
         self.task = make_task(cfg.task)
-        # greedy held-out evaluation on an unsharded copy (gathered from the shards before each evaluation)
-        self.eval_model = load_hf_model(model_path, device) if rl.eval_every else None
+        # held-out evaluation runs on the engines; their reports are joined here
+        self.eval_sets = list(self.task.eval_sets())
+        self.evals = EvalAggregator(self.eval_sets, len(world.inference_ranks), cfg.eval.pass_k)
+        self._eval_values: dict[str, float] = {}
         self.version = self.start_step = 0
         if cfg.checkpoint.resume:
             self._resume()
@@ -97,7 +100,14 @@ class RLTrainer:
             world.is_main,
             prefix="rl/",
             total_steps=rl.max_steps,
-            console_fields=RL_CONSOLE,
+            console_fields=rl_console(self.eval_sets[0] if self.eval_sets else None),
+        )
+        self.rollout_log = RolloutLog(
+            Path(cfg.job.output_dir) / "rl" / "rollouts",
+            self.tokenizer,
+            self.task,
+            cfg.job.seed,
+            cfg.metrics.rollouts_every,
         )
         self._engines_before = EngineCounters()
         self._t_prev = time.perf_counter()
@@ -116,23 +126,6 @@ class RLTrainer:
         self.sender.push(self.version)  # the engines wait for the restored weights before generating
         if self.world.is_main:
             print(f"[rl] resumed from {path} at step {self.start_step}, version {self.version}", flush=True)
-
-    def evaluate(self) -> float:
-        """Held-out greedy accuracy of the current policy (gather the shards, then split the problems)."""
-        assert self.eval_model is not None
-        self.eval_model.load_state_dict(full_state_dict(self.policy.model))
-        w = self.world
-        return greedy_accuracy(
-            self.eval_model,
-            self.task,
-            self.tokenizer,
-            self.cfg.task.max_new_tokens,
-            self.cfg.tokenizer,
-            w.trainer_rank,
-            len(w.trainer_ranks),
-            w.trainer_group,
-            self.stop_ids,
-        )
 
     def _my_share(self) -> list[Sample]:
         """This rank's samples of the next batch (the collector assembles it, then splits it by tokens)."""
@@ -193,13 +186,20 @@ class RLTrainer:
         grad_norm = self.policy.step()
         trained_version = self.version
         self.version += 1
-        push = self.sender.push(self.version) if self.version % cfg.rl.sync_every == 0 else None
+        last = step + 1 == cfg.rl.max_steps
+        # the last version always reaches the engines when they evaluate it (conventional rounds may end early)
+        sync = self.version % cfg.rl.sync_every == 0 or (last and cfg.eval.every > 0)
+        push = self.sender.push(self.version) if sync else None
         sums = dict(zip(LOSS_SUMS, sum_over_ranks([stats.get(k, 0.0) for k in LOSS_SUMS], world.trainer_group, device)))
         t_end = time.perf_counter()
-        last = step + 1 == cfg.rl.max_steps
-        evaluate = cfg.rl.eval_every and ((step + 1) % cfg.rl.eval_every == 0 or last)
-        accuracy = self.evaluate() if evaluate else None
         if self.collector is not None:
+            if last and cfg.eval.every and self.eval_sets:  # the final policy's evaluation belongs to the last step
+                self.collector.wait_for(
+                    self._final_eval_done,
+                    self.version,
+                    cfg.world.timeout_s,
+                    f"the engines' evaluation of the final version {self.version}",
+                )
             self._log(
                 step,
                 trained_version,
@@ -207,7 +207,6 @@ class RLTrainer:
                 grad_norm,
                 lr,
                 push,
-                accuracy,
                 StepTimes(t_start, t_data, t_end, self._t_prev),
             )
         self._t_prev = t_end
@@ -220,7 +219,6 @@ class RLTrainer:
         grad_norm: float,
         lr: float,
         push: PushStats | None,
-        accuracy: float | None,
         times: StepTimes,
     ) -> None:
         c = self.collector
@@ -243,11 +241,37 @@ class RLTrainer:
                 "skipped_long_prompts": sum(st["skipped_prompts"] for st in c.engine_stats.values()),
             }
         )
-        if accuracy is not None:
-            values["eval_accuracy"] = accuracy
+        self._absorb_evals()
+        values.update(self._eval_values)  # evaluations completed since the last step, with their versions
+        self._eval_values = {}
         last = step + 1 == self.cfg.rl.max_steps
         console = (step + 1) % self.cfg.metrics.log_every == 0 or step == self.start_step or last
         self.logger.log(step + 1, values, console=console)
+        self._log_rollouts(step + 1, trained_version, console)
+
+    def _absorb_evals(self) -> None:
+        """Join the evaluation reports that arrived; completed sets wait in `_eval_values` for the next record."""
+        c = self.collector
+        assert c is not None
+        for report in c.eval_reports:
+            self._eval_values.update(self.evals.add(report))
+        c.eval_reports.clear()
+
+    def _final_eval_done(self) -> bool:
+        self._absorb_evals()
+        return self.evals.complete(self.version)
+
+    def _log_rollouts(self, step: int, trained_version: int, console: bool) -> None:
+        n_tb = self.cfg.metrics.rollouts_in_tensorboard if console and self.cfg.metrics.tensorboard else 0
+        if not (self.rollout_log.due(step) or n_tb):
+            return
+        records = self.rollout_log.records(
+            self._batch if self.rollout_log.due(step) else self._batch[:n_tb], trained_version
+        )
+        if self.rollout_log.due(step):
+            self.rollout_log.write(step, records)
+        for i, r in enumerate(records[:n_tb]):
+            self.logger.log_text(step, f"rollouts/{i}", as_text(r))
 
     def checkpoint(self, step: int) -> None:
         """Save a checkpoint after `step` optimizer steps (collective)."""

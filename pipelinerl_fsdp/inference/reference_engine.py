@@ -125,9 +125,7 @@ class ReferenceEngine(Engine):
         if not batches:
             return []
         reqs = [r for b, _ in batches for r in b]
-        tok, lp = sample_next(
-            torch.cat([logits for _, logits in batches]), self.temperature, self.top_p, self.generator
-        )
+        tok, lp = self._sample(reqs, torch.cat([logits for _, logits in batches]))
         done = []
         for r, t, logprob in zip(reqs, tok.tolist(), lp.tolist()):
             r.tokens.append(t)
@@ -143,6 +141,21 @@ class ReferenceEngine(Engine):
         self.generated_tokens += len(reqs)
         self.busy_s += time.perf_counter() - t0
         return done
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample every row with its request's settings (the engine's unless the request sets its own)."""
+        settings = [
+            (self.temperature if r.temperature is None else r.temperature, self.top_p if r.top_p is None else r.top_p)
+            for r in reqs
+        ]
+        if len(set(settings)) == 1:
+            return sample_next(logits, *settings[0], self.generator)
+        tok = torch.empty(len(reqs), dtype=torch.long, device=logits.device)
+        lp = torch.empty(len(reqs), dtype=torch.float32, device=logits.device)
+        for setting in dict.fromkeys(settings):
+            rows = torch.tensor([i for i, s in enumerate(settings) if s == setting], device=logits.device)
+            tok[rows], lp[rows] = sample_next(logits[rows], *setting, self.generator)
+        return tok, lp
 
     @torch.no_grad()
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:

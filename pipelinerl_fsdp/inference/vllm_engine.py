@@ -224,9 +224,9 @@ class VLLMEngine(Engine):
         rid = str(request.request_id)
         self._active[rid] = _Active(request, [(0, self.version)])
         try:
-            params = sampling_params(
-                request, self.temperature, self.top_p, self.seed, self.ignore_eos, self.stop_token_ids
-            )
+            temperature = self.temperature if request.temperature is None else request.temperature
+            top_p = self.top_p if request.top_p is None else request.top_p
+            params = sampling_params(request, temperature, top_p, self.seed, self.ignore_eos, self.stop_token_ids)
             final = None
             async for out in self.llm.generate({"prompt_token_ids": list(request.prompt_ids)}, params, rid):
                 final = out

@@ -24,13 +24,14 @@ from pipelinerl_fsdp.checkpoint import latest_checkpoint, read_meta
 from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
 from pipelinerl_fsdp.faults import maybe_fail
 from pipelinerl_fsdp.inference.engine import Request
+from pipelinerl_fsdp.inference.evaluator import EngineEvaluator
 from pipelinerl_fsdp.inference.factory import build_engine
 from pipelinerl_fsdp.preflight import stop_token_ids
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import group_advantages
 from pipelinerl_fsdp.tasks import Problem, ProblemStream, make_task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer
-from pipelinerl_fsdp.transport.rollouts import RolloutSender, Sample
+from pipelinerl_fsdp.transport.rollouts import EvalReport, RolloutSender, Sample
 from pipelinerl_fsdp.transport.weights import STOP
 from pipelinerl_fsdp.world import World
 
@@ -76,6 +77,7 @@ class InferenceWorker:
         per_round = cfg.rl.sync_every * cfg.rl.batch_size // cfg.rl.attempts
         self._quota = per_round // n_inf + (world.inference_index < per_round % n_inf)
         self._round_left = self._quota
+        self.evaluator = EngineEvaluator(cfg, self.task, self.tokenizer, world.inference_index, n_inf, self._max_prompt)
         if cfg.checkpoint.resume:
             self._resume()
 
@@ -99,6 +101,7 @@ class InferenceWorker:
         self.engine.load_update(self.receiver, version, self.cfg.inference.recompute_kv_on_update)
         self.receiver.post()
         self.stats["update_pause_ms"] = (time.perf_counter() - t0) * 1000
+        self._maybe_evaluate(version)
 
     def _stage_update(self) -> None:
         """Async mode: receive the update whose header has arrived without loading it (or note a stop)."""
@@ -117,8 +120,15 @@ class InferenceWorker:
         assert self._staged is not None and self.engine.num_unfinished() == 0
         t0 = time.perf_counter()
         self.engine.apply_staged(self._staged)
-        self._staged = None
+        version, self._staged = self._staged, None
         self.stats["update_pause_ms"] += (time.perf_counter() - t0) * 1000
+        self._maybe_evaluate(version)
+
+    def _maybe_evaluate(self, version: int) -> None:
+        """The engine now holds `version`: start its evaluation if one is due."""
+        if self.evaluator.due(version):
+            for report in self.evaluator.start(version):
+                self._send(report)
 
     def _service_update(self) -> None:
         """If a weight update (or stop) has arrived, take it now: this runs only between two engine steps."""
@@ -159,14 +169,23 @@ class InferenceWorker:
 
     def _finish(self, req: Request) -> None:
         """A completion is done: hand it to the scorer (its group is sent once every attempt is scored)."""
+        text = completion_text(self.tokenizer, req.tokens, self.stop_ids)
+        if self.evaluator.owns(req.request_id):
+            self.scorer.submit(req.request_id, text, self.evaluator.gold(req.request_id), req.finished)
+            return
         g = self.groups[req.request_id // self.cfg.rl.attempts]
         g.done[req.request_id] = req
-        text = completion_text(self.tokenizer, req.tokens, self.stop_ids)
         self.scorer.submit(req.request_id, text, g.problem.answer, req.finished)
 
     def _collect_scores(self) -> None:
-        """Take the scores that are ready; send every group whose attempts are all scored."""
+        """Take the scores that are ready; send every group whose attempts are all scored (and every evaluation
+        set whose requests are)."""
         for rid, reward, outcome in self.scorer.ready():
+            if self.evaluator.owns(rid):
+                report = self.evaluator.record(rid, reward)
+                if report is not None:
+                    self._send(report)
+                continue
             gid = rid // self.cfg.rl.attempts
             g = self.groups[gid]
             g.scores[rid] = (reward, outcome)
@@ -195,10 +214,13 @@ class InferenceWorker:
                     OUTCOME_CODE[g.scores[rid][1]],
                 )
             )
+        self._send(samples)
+
+    def _send(self, payload: list[Sample] | EvalReport) -> None:
         # Backpressure: wait while the queue is full, but keep taking weight updates meanwhile.
         while not self.stopped:
             self._snapshot_stats()
-            if self.sender.put(samples, self.stats, timeout=0.05):
+            if self.sender.put(payload, self.stats, timeout=0.05):
                 return
             self._service_update()
 
@@ -207,6 +229,7 @@ class InferenceWorker:
         # groups in the engine or waiting for their scores: scoring slower than generation must not let them pile up
         max_groups = 2 * (cap // attempts)
         n_steps = 0
+        self._maybe_evaluate(self.engine.version)  # version 0 with eval.at_start (or a resumed run's version)
         while not self.stopped:
             maybe_fail(self.world.rank, n_steps)
             n_steps += 1
@@ -214,12 +237,14 @@ class InferenceWorker:
             if self.stopped:
                 break
             self._collect_scores()
+            while self.evaluator.queue and self.engine.num_unfinished() < cap:
+                self.engine.add(self.evaluator.queue.popleft())
             while (
                 self._may_admit() and self.engine.num_unfinished() + attempts <= cap and len(self.groups) < max_groups
             ):
                 self._add_group()
             if self.engine.num_unfinished() == 0:
-                if self.groups:  # everything generated, scores still coming
+                if self.groups or self.evaluator.busy():  # everything generated, scores still coming
                     time.sleep(0.002)
                 elif self.mode == "async" and self._staged is not None:
                     self._apply_staged()

@@ -52,6 +52,11 @@ class Task(ABC):
     def eval_split(self) -> list[Problem]:
         """The held-out evaluation problems (fixed for a given config)."""
 
+    def eval_sets(self) -> dict[str, list[Problem]]:
+        """Named held-out sets the engines evaluate (`eval/<name>/...`): by default the split as "heldout"."""
+        split = self.eval_split()
+        return {"heldout": split} if split else {}
+
     @abstractmethod
     def reward(self, completion: str, answer: str) -> float:
         """Reward of a completion (its text before the stop token) given the problem's gold answer, 1.0 for a

@@ -78,8 +78,8 @@ class MathTask(Task):
         self.spec = field_spec(cfg.preset, cfg.question_field, cfg.answer_field, cfg.answer_format, cfg.solution_field)
         self.skipped: Counter[str] = Counter()  # reason -> records skipped (on_bad_record = "skip")
         self.train = self._load(cfg.train_files, "task.train_files")
-        self.eval_sets = {Path(f).stem: self._load([f], "task.eval_files") for f in cfg.eval_files}
-        evals = [p for probs in self.eval_sets.values() for p in probs]
+        self._eval_sets = {Path(f).stem: self._load([f], "task.eval_files") for f in cfg.eval_files}
+        evals = [p for probs in self._eval_sets.values() for p in probs]
         self._eval = evals[: cfg.eval_size] if cfg.eval_size else evals
         # a warm start from scratch builds a character tokenizer over every character the problems use
         self.alphabet = "".join(sorted({c for p in self.train + evals for c in p.prompt + p.solution}))
@@ -126,6 +126,11 @@ class MathTask(Task):
 
     def eval_split(self) -> list[Problem]:
         return self._eval
+
+    def eval_sets(self) -> dict[str, list[Problem]]:
+        """One set per evaluation file (the first task.eval_size problems of each when set)."""
+        n = self.cfg.eval_size
+        return {name: probs[:n] if n else probs for name, probs in self._eval_sets.items()}
 
     def reward(self, completion: str, answer: str) -> float:
         from pipelinerl_fsdp.rewards.math_answer import score_math_answer

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 HEADER_TAG, INTS_TAG, FLOATS_TAG = 1, 2, 3
-DATA, DONE = 1, 2
+DATA, DONE, EVAL = 1, 2, 3
 _HEADER_LEN = 4  # kind, n_samples, n_ints, n_floats
 # Cumulative engine counters sent with every message (first floats of the payload), for throughput metrics.
 ENGINE_STATS = ("gen_tokens", "busy_s", "elapsed_s", "update_pause_ms", "skipped_prompts")
@@ -38,6 +38,17 @@ class Sample:
     advantage: float = 0.0
     finished: bool = True  # ended on a stop token (False: cut at max_tokens)
     outcome: int = 0  # rewards.outcomes.OUTCOMES index: what the reward function concluded
+
+
+@dataclass
+class EvalReport:
+    """One engine's share of one evaluation set at one policy version: correct samples per problem."""
+
+    set_index: int
+    version: int
+    samples: int  # completions per problem
+    problems: list[int]  # indices into the set
+    correct: list[int]  # correct completions of each problem
 
 
 def encode_samples(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,14 +87,14 @@ class RolloutSender:
 
     def __init__(self, group: dist.ProcessGroup, dst: int, max_queued: int = 8) -> None:
         self.group, self.dst = group, dst
-        self._q: queue.Queue[tuple[list[Sample], list[float]] | None] = queue.Queue(maxsize=max_queued)
+        self._q: queue.Queue[tuple[list[Sample] | EvalReport, list[float]] | None] = queue.Queue(maxsize=max_queued)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="rollout-sender", daemon=True)
         self._thread.start()
 
-    def put(self, samples: list[Sample], stats: dict[str, float], timeout: float | None = None) -> bool:
-        """Queue a group (+ the engine's ENGINE_STATS counters) for sending; False if the queue stayed full
-        for `timeout` seconds."""
+    def put(self, samples: list[Sample] | EvalReport, stats: dict[str, float], timeout: float | None = None) -> bool:
+        """Queue a group (or an evaluation report) with the engine's ENGINE_STATS counters for sending; False if
+        the queue stayed full for `timeout` seconds."""
         self._raise_if_failed()
         try:
             self._q.put((samples, [float(stats[k]) for k in ENGINE_STATS]), timeout=timeout)
@@ -113,10 +124,19 @@ class RolloutSender:
                         torch.tensor([DONE, 0, 0, 0], dtype=torch.long), self.dst, group=self.group, tag=HEADER_TAG
                     )
                     return
-                samples, stats = item
-                ints, floats = encode_samples(samples)
-                floats = torch.cat([torch.tensor(stats, dtype=torch.float32), floats])
-                header = torch.tensor([DATA, len(samples), ints.numel(), floats.numel()], dtype=torch.long)
+                payload, stats = item
+                if isinstance(payload, EvalReport):
+                    kind, n = EVAL, len(payload.problems)
+                    ints = torch.tensor(
+                        [payload.set_index, payload.version, payload.samples, *payload.problems, *payload.correct],
+                        dtype=torch.long,
+                    )
+                    floats = torch.tensor(stats, dtype=torch.float32)
+                else:
+                    kind, n = DATA, len(payload)
+                    ints, floats = encode_samples(payload)
+                    floats = torch.cat([torch.tensor(stats, dtype=torch.float32), floats])
+                header = torch.tensor([kind, n, ints.numel(), floats.numel()], dtype=torch.long)
                 dist.send(header, self.dst, group=self.group, tag=HEADER_TAG)
                 dist.send(ints, self.dst, group=self.group, tag=INTS_TAG)
                 dist.send(floats, self.dst, group=self.group, tag=FLOATS_TAG)
@@ -129,14 +149,15 @@ class RolloutReceiver:
 
     def __init__(self, group: dist.ProcessGroup, n_senders: int, max_queued: int = 64) -> None:
         self.group, self.n_senders = group, n_senders
-        self._q: queue.Queue[tuple[int, list[Sample], dict[str, float]]] = queue.Queue(maxsize=max_queued)
+        self._q: queue.Queue[tuple[int, list[Sample] | EvalReport, dict[str, float]]] = queue.Queue(maxsize=max_queued)
         self.error: BaseException | None = None
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-receiver", daemon=True)
         self._thread.start()
 
-    def get(self, timeout: float) -> tuple[int, list[Sample], dict[str, float]] | None:
-        """(sender rank, group samples, engine counters), or None if nothing arrived within `timeout` s."""
+    def get(self, timeout: float) -> tuple[int, list[Sample] | EvalReport, dict[str, float]] | None:
+        """(sender rank, a group's samples or an evaluation report, engine counters), or None if nothing arrived
+        within `timeout` s."""
         if self.error is not None:
             raise RuntimeError("rollout receiver thread failed") from self.error
         try:
@@ -177,7 +198,12 @@ class RolloutReceiver:
                 dist.recv(floats, src, group=self.group, tag=FLOATS_TAG)
                 k = len(ENGINE_STATS)
                 stats = dict(zip(ENGINE_STATS, floats[:k].tolist()))
-                self._q.put((src, decode_samples(n, ints, floats[k:]), stats))
+                if kind == EVAL:
+                    iv = ints.tolist()
+                    payload: list[Sample] | EvalReport = EvalReport(iv[0], iv[1], iv[2], iv[3 : 3 + n], iv[3 + n :])
+                else:
+                    payload = decode_samples(n, ints, floats[k:])
+                self._q.put((src, payload, stats))
         except BaseException as e:
             self.error = e
         finally:

@@ -37,7 +37,7 @@ def run_mode(warm: Path, out: Path, mode: str, *extra: str) -> list[dict]:
         "--rl.batch_size=32",
         "--rl.attempts=4",
         "--inference.max_num_seqs=16",
-        "--rl.eval_every=0",
+        "--eval.every=0",
         *extra,
         timeout=600,
     )

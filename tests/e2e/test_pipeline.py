@@ -74,7 +74,7 @@ def short_run(nproc: int, n_inf: int, warm: Path, out: Path, *extra: str, timeou
         "--rl.attempts=4",
         "--inference.max_num_seqs=16",
         "--metrics.log_every=4",
-        "--rl.eval_every=0",
+        "--eval.every=0",
         *extra,
         timeout=timeout,
     )
@@ -103,14 +103,16 @@ def test_default_pipeline_learns(default_warmstart, tmp_path, engine):
         f"--model.path={folder}",
         f"--job.output_dir={tmp_path}",
         "--rl.max_steps=200",
-        "--rl.eval_every=100",
+        "--eval.every=100",
         f"--inference.engine={engine}",
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     recs = records(tmp_path)
     warm_acc = json.loads((ws_out / "warmstart" / "metrics.jsonl").read_text().splitlines()[-1])["eval_accuracy"]
-    evals = [x["eval_accuracy"] for x in recs if "eval_accuracy" in x]
-    assert len(evals) == 2 and (evals[-1] - warm_acc) / (1 - warm_acc) >= 0.35, (warm_acc, evals)
+    evals = {x["eval/heldout/version"]: x["eval/heldout/pass@1"] for x in recs if "eval/heldout/version" in x}
+    # on the engine: greedy, all 500 problems, the same number the warm start's own evaluation measures
+    assert evals[0] == pytest.approx(warm_acc, abs=0.01), (warm_acc, evals)
+    assert sorted(evals) == [0, 100, 200] and (evals[200] - warm_acc) / (1 - warm_acc) >= 0.35, (warm_acc, evals)
     # nearly on-policy (measured min ESS 0.947), and the queues bound the lag: nothing aged out
     assert min(x["ess"] for x in recs) > 0.8
     assert max(x["lag_max"] for x in recs) <= pipeline_lag_bound(64, 8, 64, 2, 1) and recs[-1]["dropped_stale"] == 0
@@ -126,10 +128,12 @@ def test_default_pipeline_learns(default_warmstart, tmp_path, engine):
     ],
 )
 def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc, n_inf, extra):
-    r = short_run(nproc, n_inf, warm_folder, tmp_path, "--rl.eval_every=6", *extra)
+    r = short_run(nproc, n_inf, warm_folder, tmp_path, "--eval.every=6", *extra)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     recs = records(tmp_path)
-    assert [x["step"] for x in recs if "eval_accuracy" in x] == [6, 12]
+    # evaluated on the engines at versions 0 (at_start), 6 and 12; the final one is in the last step's record
+    assert sorted(x["eval/heldout/version"] for x in recs if "eval/heldout/version" in x) == [0, 6, 12]
+    assert recs[-1]["eval/heldout/version"] == 12 and recs[-1]["eval/heldout/problems"] == 500
     assert [x["step"] for x in recs] == list(range(1, 13))
     assert METRIC_KEYS <= recs[0].keys()
     assert [x["version"] for x in recs] == list(range(1, 13))
@@ -304,7 +308,8 @@ def test_math_path_end_to_end_with_a_tiny_model(tmp_path):
         "--warmstart.steps=10",
         "--warmstart.eval_every=10",
         "--rl.max_steps=4",
-        "--rl.eval_every=0",
+        "--eval.every=0",
+        "--metrics.rollouts_every=2",
         f"--inference.engine={engine}",
         timeout=600,
     )
@@ -318,3 +323,19 @@ def test_math_path_end_to_end_with_a_tiny_model(tmp_path):
     # an untrained model rarely writes a box: most answers are "no_answer" (scored in the pool, not a default)
     assert sum(x["outcome/no_answer"] for x in recs) > 0
     assert (tmp_path / "out" / "final" / "tokenizer.json").is_file()
+    # the trained batches of steps 2 and 4 as readable rollouts, and the script that prints them
+    files = sorted((tmp_path / "out" / "rl" / "rollouts").glob("*.jsonl"))
+    assert [f.name for f in files] == ["step-0000002.jsonl", "step-0000004.jsonl"]
+    rec = json.loads(files[-1].read_text().splitlines()[0])
+    assert (
+        rec["gold"]
+        and "\\boxed{}" in rec["prompt"]
+        and rec["outcome"] in ("no_answer", "truncated", "wrong", "unparsable", "correct")
+    )
+    shown = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "show_rollouts.py"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0 and rec["gold"] in shown.stdout

@@ -150,3 +150,13 @@ def test_task_keys_follow_the_selected_task(tmp_path):
     assert load_config(["--config", path]).task.max_terms == 5
     with pytest.raises(ConfigError, match=r"unknown key task\.max_terms"):
         load_config(["--config", path, "--task.name=addition"])
+
+
+@pytest.mark.parametrize("name", ["math", "math_1node_gpu", "math_smollm2_cpu"])
+def test_math_configs_load_once_paths_are_set(tmp_path, name):
+    with pytest.raises(ConfigError, match=r"model\.path = .*: no such folder"):
+        load_config(["--config", name])
+    cfg = load_config(["--config", name, f"--model.path={tmp_path}", "--task.train_files=['data/math/orz.parquet']"])
+    assert cfg.task.name == "math" and cfg.rl.batch_size % cfg.rl.attempts == 0
+    if name == "math":  # the paper's split and batch
+        assert (cfg.world.inference_ranks, cfg.rl.batch_size, cfg.rl.is_clip, cfg.rl.kl_coef) == (48, 4096, 5.0, 0.0)

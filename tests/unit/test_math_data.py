@@ -120,5 +120,5 @@ def test_eval_sets_are_named_by_file(tmp_path):
         f"--task.eval_files=['{DATA / 'gsm8k_test.jsonl'}']",
         "--task.eval_size=10",
     )
-    assert list(task.eval_sets) == ["gsm8k_test"] and len(task.eval_sets["gsm8k_test"]) == 80
+    assert list(task.eval_sets()) == ["gsm8k_test"] and len(task.eval_sets()["gsm8k_test"]) == 10
     assert len(task.eval_split()) == 10

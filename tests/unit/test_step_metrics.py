@@ -53,3 +53,30 @@ def test_zero_advantage_groups_are_counted_per_group():
 
     assert zero_advantage_group_frac(g(0, [1, 1]) + g(1, [0, 1]) + g(2, [0, 0]) + g(3, [1, 0])) == 0.5
     assert zero_advantage_group_frac(g(0, [0, 1])) == 0.0
+
+
+def test_pass_at_k_hand_computed():
+    from pipelinerl_fsdp.evaluation import pass_at_k
+
+    # 5 samples, 2 correct: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10; pass@4 = 1 (only 3 wrong)
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(5, 2, 4) == 1.0 and pass_at_k(5, 0, 3) == 0.0
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+def test_eval_reports_join_over_engines():
+    from pipelinerl_fsdp.evaluation import EvalAggregator
+    from pipelinerl_fsdp.transport.rollouts import EvalReport
+
+    agg = EvalAggregator(["a", "b"], n_engines=2, pass_k=[1, 2])
+    assert agg.add(EvalReport(0, 10, 2, [0, 2], [2, 0])) == {}  # engine 0's share: waiting for engine 1
+    out = agg.add(EvalReport(0, 10, 2, [1], [1]))
+    assert out["eval/a/version"] == 10 and out["eval/a/problems"] == 3
+    assert out["eval/a/pass@1"] == pytest.approx((1 + 0 + 0.5) / 3)
+    assert out["eval/a/pass@2"] == pytest.approx((1 + 0 + 1) / 3)
+    assert not agg.complete(10)  # set "b" still missing
+    agg.add(EvalReport(1, 10, 2, [], []))
+    agg.add(EvalReport(1, 10, 2, [0], [0]))
+    assert agg.complete(10) and not agg.complete(20)

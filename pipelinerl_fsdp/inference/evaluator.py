@@ -1,0 +1,112 @@
+"""Held-out evaluation on an inference engine, next to the rollouts.
+
+When the engine loads a policy version that is due (`eval.every`, the final version, version 0 with
+`eval.at_start`), this engine's share of every evaluation set (every n-th problem) is queued as requests with the
+evaluation sampling settings, `eval.samples` per problem. They share the engine's slots with the rollouts, are
+scored by the task's scorer like rollouts, and never become training samples: once all of a set's requests are
+scored, one `EvalReport` (correct completions per problem) goes to the trainer, which joins the engines' reports.
+The report carries the version loaded when the evaluation started; in pipeline mode a later update may still
+reach a long completion's last tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from pipelinerl_fsdp.config import Config
+from pipelinerl_fsdp.inference.engine import Request
+from pipelinerl_fsdp.tasks import Task
+from pipelinerl_fsdp.tokenizer import encode_prompt
+from pipelinerl_fsdp.transport.rollouts import EvalReport
+
+# evaluation request ids start here, far above any rollout id (stream position x attempts)
+EVAL_RID_BASE = 1 << 50
+
+
+@dataclass
+class _Job:
+    report: EvalReport
+    left: int  # requests not scored yet
+    row: dict[int, int] = field(default_factory=dict)  # problem index -> position in report.correct
+
+
+class EngineEvaluator:
+    def __init__(
+        self,
+        cfg: Config,
+        task: Task,
+        tokenizer: PreTrainedTokenizerBase,
+        engine_index: int,
+        n_engines: int,
+        max_prompt_tokens: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        ev = cfg.eval
+        self.every, self.samples = ev.every, ev.samples
+        # this engine's share of each set: (problem index, prompt ids, gold answer); too-long prompts left out
+        self.shares: list[list[tuple[int, list[int], str]]] = []
+        for problems in task.eval_sets().values():
+            share = []
+            for i in range(engine_index, len(problems), n_engines):
+                ids = encode_prompt(tokenizer, problems[i].prompt, cfg.tokenizer)
+                if not max_prompt_tokens or len(ids) <= max_prompt_tokens:
+                    share.append((i, ids, problems[i].answer))
+            self.shares.append(share)
+        self.queue: deque[Request] = deque()
+        self._meta: dict[int, tuple[tuple[int, int], int, str]] = {}  # rid -> ((set, version), problem, gold)
+        self._jobs: dict[tuple[int, int], _Job] = {}
+        self._next_rid = EVAL_RID_BASE
+        self._started: set[int] = set()
+
+    def due(self, version: int) -> bool:
+        if not self.every or not self.shares or version in self._started:
+            return False
+        final = version == self.cfg.rl.max_steps
+        return final or (version % self.every == 0 and (version > 0 or self.cfg.eval.at_start))
+
+    def start(self, version: int) -> list[EvalReport]:
+        """Queue the requests of every set for `version`; returns the reports already complete (empty shares)."""
+        self._started.add(version)
+        ready = []
+        ev = self.cfg.eval
+        for s, share in enumerate(self.shares):
+            key = (s, version)
+            report = EvalReport(s, version, self.samples, [i for i, _, _ in share], [0] * len(share))
+            if not share:
+                ready.append(report)
+                continue
+            job = _Job(report, len(share) * self.samples, {i: row for row, (i, _, _) in enumerate(share)})
+            self._jobs[key] = job
+            for i, ids, gold in share:
+                for _ in range(self.samples):
+                    rid = self._next_rid
+                    self._next_rid += 1
+                    self._meta[rid] = (key, i, gold)
+                    self.queue.append(
+                        Request(rid, ids, self.cfg.task.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p)
+                    )
+        return ready
+
+    def owns(self, request_id: int) -> bool:
+        return request_id >= EVAL_RID_BASE
+
+    def gold(self, request_id: int) -> str:
+        return self._meta[request_id][2]
+
+    def record(self, request_id: int, reward: float) -> EvalReport | None:
+        """A scored evaluation completion; returns its set's report once the set is complete."""
+        key, problem, _ = self._meta.pop(request_id)
+        job = self._jobs[key]
+        job.report.correct[job.row[problem]] += int(reward >= 1.0)
+        job.left -= 1
+        if job.left:
+            return None
+        del self._jobs[key]
+        return job.report
+
+    def busy(self) -> bool:
+        """Requests queued or not yet scored."""
+        return bool(self.queue or self._jobs)
