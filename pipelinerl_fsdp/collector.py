@@ -11,6 +11,7 @@ Rules (the pure parts are functions below, unit-tested):
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ class CollectorCounts:
     dropped_groups: int = 0
     filtered_samples: int = 0
     filtered_groups: int = 0
+    nonfinite_samples: int = 0  # dropped with their group: an engine returned a NaN/inf log-prob
 
 
 @dataclass
@@ -117,6 +119,9 @@ class Collector:
         gid = group[0].group_id
         key = gid % self.n_engines
         self.max_gid[key] = max(self.max_gid.get(key, -1), gid)
+        if not all(math.isfinite(lp) for s in group for lp in s.logprobs):
+            self.counts.nonfinite_samples += len(group)
+            return
         if self.rl.filter_zero_advantage and is_zero_advantage_group([s.reward for s in group]):
             self.counts.filtered_groups += 1
             self.counts.filtered_samples += len(group)

@@ -117,6 +117,9 @@ class TrainerConfig:
     # FSDP2 mixed precision; "auto": float32 on CPU, bfloat16 on CUDA
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    # a step whose loss or gradient is not finite is skipped (nothing applied, counted as skipped_nonfinite_steps);
+    # this many in a row stop the run
+    max_nonfinite_steps: int = 3
     logprob_chunk_size: int = 1024
 
 
@@ -260,6 +263,7 @@ class Config:
 _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("trainer", "micro_batch_tokens"): (lambda v: v >= 16, ">= 16"),
     ("trainer", "logprob_chunk_size"): (lambda v: v >= 1, ">= 1"),
+    ("trainer", "max_nonfinite_steps"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "path"): (lambda v: bool(v), "a non-empty folder path"),
     ("warmstart", "steps"): (lambda v: v >= 0, ">= 0"),
     ("warmstart", "batch_size"): (lambda v: v >= 1, ">= 1"),

@@ -1,5 +1,7 @@
-"""Fault injection for tests of failure handling: PIPELINERL_FAULT="RANK:STEP" makes that rank raise at that step
-(the trainer's optimizer step, or the engine's decode step on an inference rank)."""
+"""Fault injection for tests of failure handling, read at well-defined points:
+PIPELINERL_FAULT="RANK:STEP" makes that rank raise at that step (the trainer's optimizer step, or the engine's
+decode step on an inference rank); PIPELINERL_FAULT_NAN="STEP,STEP,..." makes the RL loss NaN at those optimizer
+steps (0-based) on every trainer rank."""
 
 from __future__ import annotations
 
@@ -8,6 +10,11 @@ import os
 
 class InjectedFault(RuntimeError):
     pass
+
+
+def nan_loss_at(step: int) -> bool:
+    spec = os.environ.get("PIPELINERL_FAULT_NAN")
+    return bool(spec) and step in {int(x) for x in spec.split(",")}
 
 
 def maybe_fail(rank: int, step: int) -> None:

@@ -102,11 +102,14 @@ def clip_and_step(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     max_norm: float,
 ) -> float:
-    """Clip the global gradient norm, step optimizer and schedule; returns the pre-clip norm."""
+    """Clip the global gradient norm, step optimizer and schedule; returns the pre-clip norm. A non-finite norm
+    (a NaN/inf loss or gradient anywhere: the norm is global, so every rank sees it) applies nothing: the gradients
+    are dropped and neither the optimizer nor the schedule moves."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    optimizer.step()
-    scheduler.step()
+    if torch.isfinite(norm):
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)

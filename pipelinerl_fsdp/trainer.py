@@ -8,6 +8,7 @@ optimizer step all trainer ranks gather the weights and the first one broadcasts
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -19,14 +20,13 @@ from pipelinerl_fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_
 from pipelinerl_fsdp.collector import Collector
 from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
 from pipelinerl_fsdp.evaluation import EvalAggregator
-from pipelinerl_fsdp.faults import maybe_fail
+from pipelinerl_fsdp.faults import maybe_fail, nan_loss_at
 from pipelinerl_fsdp.inference.factory import engine_kind
 from pipelinerl_fsdp.inference.placement import engine_dtype
 from pipelinerl_fsdp.metrics import MetricsLogger, rl_console
 from pipelinerl_fsdp.models import load_hf_model, save_hf_folder
 from pipelinerl_fsdp.parallelize import full_state_dict
 from pipelinerl_fsdp.policy import build_policy, shard
-from pipelinerl_fsdp.preflight import stop_token_ids
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
 from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics
@@ -85,13 +85,13 @@ class RLTrainer:
             self.collector = Collector(self.receiver, rl, len(world.inference_ranks))
         self.loss_settings = LossSettings(kind=rl.loss, is_clip=rl.is_clip, ppo_eps=rl.ppo_eps, kl_coef=rl.kl_coef)
         self.tokenizer = load_tokenizer(tokenizer_path)
-        self.stop_ids = stop_token_ids(model_path, self.tokenizer)
         self.task = make_task(cfg.task)
         # held-out evaluation runs on the engines; their reports are joined here
         self.eval_sets = list(self.task.eval_sets())
         self.evals = EvalAggregator(self.eval_sets, len(world.inference_ranks), cfg.eval.pass_k)
         self._eval_values: dict[str, float] = {}
         self.version = self.start_step = 0
+        self.nonfinite_in_row = self.skipped_steps = 0
         if cfg.checkpoint.resume:
             self._resume()
         self.logger = MetricsLogger(
@@ -182,13 +182,29 @@ class RLTrainer:
             device,
             cfg.trainer.logprob_chunk_size,
         )
+        if nan_loss_at(step):
+            for p in self.policy.model.parameters():  # as if the loss had been NaN: every gradient NaN
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
         lr = self.policy.lr
         grad_norm = self.policy.step()
         trained_version = self.version
-        self.version += 1
+        if not math.isfinite(grad_norm):  # nothing was applied: same weights, same version, nothing to push
+            self.nonfinite_in_row += 1
+            self.skipped_steps += 1
+            if self.nonfinite_in_row >= cfg.trainer.max_nonfinite_steps:
+                raise FloatingPointError(
+                    f"non-finite loss or gradient in {self.nonfinite_in_row} steps in a row (up to step {step + 1}; "
+                    f"trainer.max_nonfinite_steps = {cfg.trainer.max_nonfinite_steps}): stopping the run"
+                )
+        else:
+            self.nonfinite_in_row = 0
+            self.version += 1
         last = step + 1 == cfg.rl.max_steps
         # the last version always reaches the engines when they evaluate it (conventional rounds may end early)
-        sync = self.version % cfg.rl.sync_every == 0 or (last and cfg.eval.every > 0)
+        sync = self.version != trained_version and (
+            self.version % cfg.rl.sync_every == 0 or (last and cfg.eval.every > 0)
+        )
         push = self.sender.push(self.version) if sync else None
         sums = dict(zip(LOSS_SUMS, sum_over_ranks([stats.get(k, 0.0) for k in LOSS_SUMS], world.trainer_group, device)))
         t_end = time.perf_counter()
@@ -228,6 +244,7 @@ class RLTrainer:
         self._engines_before = engines
         values.update(
             {
+                "version": self.version,
                 "samples": (step + 1) * self.cfg.rl.batch_size,
                 "grad_norm": grad_norm,
                 "lr": lr,
@@ -238,6 +255,8 @@ class RLTrainer:
                 "dropped_stale": c.counts.dropped_samples,
                 "dropped_stale_groups": c.counts.dropped_groups,
                 "filtered_zero_adv": c.counts.filtered_samples,
+                "skipped_nonfinite_steps": self.skipped_steps,
+                "dropped_nonfinite": c.counts.nonfinite_samples,
                 "skipped_long_prompts": sum(st["skipped_prompts"] for st in c.engine_stats.values()),
             }
         )

@@ -138,6 +138,15 @@ class RewardPool:
                 w.job = (key, time.monotonic())
         return done
 
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until every worker has started and warmed up (benchmarks: keep start-up out of the timing)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(w.ready for w in self._workers):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"reward workers not ready after {timeout_s} s")
+            self.poll()
+            time.sleep(0.01)
+
     def wait_all(self, timeout_s: float) -> list[tuple[Hashable, float, str]]:
         """Poll until nothing is pending (tests, evaluation)."""
         out: list[tuple[Hashable, float, str]] = []

@@ -67,7 +67,6 @@ def step_metrics(
     engine_elapsed = max(engines.elapsed_s - engines_before.elapsed_s, 1e-9)
     return {
         **outcome_fractions(samples),
-        "version": trained_version + 1,
         "reward_mean": sum(s.reward for s in samples) / len(samples),
         "ess": ess_from_sums(sums["sum_w"], sums["sum_w2"], sums["tokens"]),
         "lag_mean": sum(lags) / max(len(lags), 1),

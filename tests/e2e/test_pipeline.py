@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import json
 import os
 import subprocess
@@ -128,12 +129,24 @@ def test_default_pipeline_learns(default_warmstart, tmp_path, engine):
     ],
 )
 def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc, n_inf, extra):
-    r = short_run(nproc, n_inf, warm_folder, tmp_path, "--eval.every=6", *extra)
+    r = short_run(nproc, n_inf, warm_folder, tmp_path, "--eval.every=6", "--metrics.rollouts_every=1", *extra)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     recs = records(tmp_path)
     # evaluated on the engines at versions 0 (at_start), 6 and 12; the final one is in the last step's record
     assert sorted(x["eval/heldout/version"] for x in recs if "eval/heldout/version" in x) == [0, 6, 12]
     assert recs[-1]["eval/heldout/version"] == 12 and recs[-1]["eval/heldout/problems"] == 500
+    # ...and never trained on: every trained sample (all 12 batches dumped) is a training problem, none of the
+    # 500 evaluation prompts, which the engines generated for three times meanwhile
+    from pipelinerl_fsdp.config import load_config
+    from pipelinerl_fsdp.tasks import make_task
+
+    eval_prompts = {p.prompt for p in make_task(load_config(["--config", "arithmetic"]).task).eval_split()}
+    trained = [
+        json.loads(x)
+        for f in sorted((tmp_path / "rl" / "rollouts").glob("*.jsonl"))
+        for x in f.read_text().splitlines()
+    ]
+    assert len(trained) == 12 * 32 and not {t["prompt"] for t in trained} & eval_prompts
     assert [x["step"] for x in recs] == list(range(1, 13))
     assert METRIC_KEYS <= recs[0].keys()
     assert [x["version"] for x in recs] == list(range(1, 13))
@@ -339,3 +352,30 @@ def test_math_path_end_to_end_with_a_tiny_model(tmp_path):
         timeout=60,
     )
     assert shown.returncode == 0 and rec["gold"] in shown.stdout
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(warm_folder, tmp_path):
+    """A NaN loss at steps 4 and 5 (PIPELINERL_FAULT_NAN): those steps apply nothing (same version, no push) and
+    are counted; with trainer.max_nonfinite_steps = 2 the second one in a row ends the job with the reason."""
+    os.environ["PIPELINERL_FAULT_NAN"] = "3,4"
+    try:
+        r = short_run(2, 1, warm_folder, tmp_path / "a", "--inference.engine=reference", "--rl.max_steps=8")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+        recs = records(tmp_path / "a")
+        assert [x["version"] for x in recs] == [1, 2, 3, 3, 3, 4, 5, 6]
+        assert [x["skipped_nonfinite_steps"] for x in recs] == [0, 0, 0, 1, 2, 2, 2, 2]
+        assert all(math.isfinite(x["ess"]) for x in recs)
+        r = short_run(
+            2,
+            1,
+            warm_folder,
+            tmp_path / "b",
+            "--inference.engine=reference",
+            "--rl.max_steps=8",
+            "--trainer.max_nonfinite_steps=2",
+            timeout=180,
+        )
+        assert r.returncode != 0
+        assert "non-finite loss or gradient in 2 steps in a row (up to step 5" in r.stderr
+    finally:
+        del os.environ["PIPELINERL_FAULT_NAN"]

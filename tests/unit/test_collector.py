@@ -120,3 +120,12 @@ def test_no_rollouts_is_a_named_error():
     src.closed.set()
     with pytest.raises(RuntimeError, match="stopped sending rollouts"):
         Collector(src, rl(), n_engines=1).next_batch(0, 5)
+
+
+def test_a_group_with_a_non_finite_logprob_is_dropped_and_counted():
+    bad = group(1, [[1], [1]])
+    bad[1].logprobs[0] = float("nan")
+    src = FakeSource([group(0, [[1], [1]]), bad, group(2, [[1], [1]])])
+    c = Collector(src, rl(), n_engines=1)
+    assert {s.group_id for s in c.next_batch(1, 5)} == {0, 2}
+    assert c.counts.nonfinite_samples == 2

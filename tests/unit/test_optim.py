@@ -37,3 +37,18 @@ def test_build_optimizer_uses_every_field():
     opt.step()
     sched.step()
     assert sched.get_last_lr()[0] == pytest.approx(0.5)
+
+
+def test_a_non_finite_gradient_applies_nothing():
+    from pipelinerl_fsdp.train_step import clip_and_step
+
+    model = torch.nn.Linear(2, 1)
+    opt, sched = build_optimizer(model.parameters(), OptimizerConfig(lr=0.1, warmup_steps=0), total_steps=10)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(1, 2)).sum().mul(float("nan")).backward()
+    norm = clip_and_step(model, opt, sched, 1.0)
+    assert math.isnan(norm) and sched.last_epoch == 0  # the schedule did not move
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())  # the NaN gradients are gone
+    model(torch.ones(1, 2)).sum().backward()
+    assert math.isfinite(clip_and_step(model, opt, sched, 1.0)) and sched.last_epoch == 1

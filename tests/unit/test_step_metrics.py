@@ -25,7 +25,6 @@ def test_lags_and_version_fractions():
     samples = [s([3, 4], 1.0), s([4, 4], 0.0, finished=False)]
     assert token_lags(samples, 4) == [1, 0, 0, 0]
     m = step_metrics(samples, 4, SUMS, EngineCounters(10, 2, 4), EngineCounters(), StepTimes(0, 1, 2, -1))
-    assert m["version"] == 5
     assert m["lag_mean"] == 0.25 and m["lag_max"] == 1 and m["current_version_frac"] == 0.75
     assert m["mixed_version_frac"] == 0.5  # one sequence has tokens of versions 3 and 4
     assert m["reward_mean"] == 0.5 and m["truncated_frac"] == 0.5
