@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 import json
+import math
 import os
 import subprocess
 import sys
