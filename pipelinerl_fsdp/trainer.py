@@ -260,6 +260,9 @@ class RLTrainer:
                 "skipped_long_prompts": sum(st["skipped_prompts"] for st in c.engine_stats.values()),
             }
         )
+        epoch = self.task.epoch(max(c.max_gid.values())) if c.max_gid else None
+        if epoch is not None:
+            values["data_epoch"] = epoch  # of the newest problem the engines have sent
         self._absorb_evals()
         values.update(self._eval_values)  # evaluations completed since the last step, with their versions
         self._eval_values = {}

@@ -71,6 +71,10 @@ class Task(ABC):
     def longest_prompt(self) -> str:
         """A prompt at least as long as any this task produces: start-up checks size the budgets from it."""
 
+    def epoch(self, index: int) -> int | None:
+        """The data epoch of stream position `index` (None: generated problems have no epochs)."""
+        return None
+
     def prompts_to_check(self) -> list[str]:
         """The prompts whose token counts bound every prompt's (a task from files returns all of them, since the
         longest in characters need not be the longest in tokens)."""

@@ -120,7 +120,7 @@ class MathTask(Task):
             self._orders = {(seed, epoch): order}  # one epoch at a time: streams move forward
         return self.train[order[pos]]
 
-    def epoch(self, index: int) -> int:
+    def epoch(self, index: int) -> int | None:
         """The epoch that stream position `index` belongs to."""
         return index // len(self.train)
 

@@ -333,6 +333,7 @@ def test_math_path_end_to_end_with_a_tiny_model(tmp_path):
         fractions = {k: v for k, v in x.items() if k.startswith("outcome/")}
         assert len(fractions) == 7 and sum(fractions.values()) == pytest.approx(1.0)
         assert x["outcome/truncated"] == pytest.approx(x["truncated_frac"])
+    assert all(x["data_epoch"] == 0 for x in recs)  # 4 steps x 8 prompts of 320: still the first epoch
     # an untrained model rarely writes a box: most answers are "no_answer" (scored in the pool, not a default)
     assert sum(x["outcome/no_answer"] for x in recs) > 0
     assert (tmp_path / "out" / "final" / "tokenizer.json").is_file()
