@@ -188,7 +188,9 @@ def test_a_tight_max_lag_drops_whole_stale_groups(warm_folder, tmp_path):
 
 def test_startup_errors_are_named_before_anything_runs(warm_folder, tmp_path):
     t0 = time.time()
-    r = short_run(2, 1, warm_folder, tmp_path, "--trainer.micro_batch_tokens=16", timeout=120)
+    r = short_run(
+        2, 1, warm_folder, tmp_path, "--trainer.micro_batch_tokens=16", "--task.max_new_tokens=12", timeout=120
+    )
     assert r.returncode != 0 and "trainer.micro_batch_tokens = 16 is smaller than the longest sequence" in r.stderr
     r = short_run(2, 1, warm_folder, tmp_path, "--tokenizer.path=/nonexistent/tok", timeout=120)
     assert r.returncode != 0 and "tokenizer.path = '/nonexistent/tok': no such folder" in r.stderr
