@@ -20,12 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from torchrun_job import ROOT, run_job
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,30 +74,6 @@ TASK_SETTINGS = {
         400,
     ),
 }
-
-
-def run_job(args: list[str], log: Path, nproc: int) -> None:
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        HF_HUB_OFFLINE="1",
-        OMP_NUM_THREADS="1",
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(ROOT / "run_train.py"),
-        *args,
-    ]
-    with open(log, "w") as f:
-        r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    if r.returncode != 0:
-        tail = log.read_text()[-4000:]
-        raise SystemExit(f"run failed ({' '.join(cmd)}); log {log}:\n{tail}")
 
 
 def moving_average(xs: list[float], window: int) -> list[float]:

@@ -121,6 +121,17 @@ class TrainerConfig:
     # this many in a row stop the run
     max_nonfinite_steps: int = 3
     logprob_chunk_size: int = 1024
+    # recompute each checkpointed decoder block's activations in the backward pass instead of keeping them:
+    # "full" checkpoints every `ac_every`-th block (1: all of them); memory for compute (~1/3 more per step)
+    activation_checkpointing: Literal["off", "full"] = "off"
+    ac_every: int = 1
+    # gradients are reduce-scattered after every micro-batch, so each rank only ever holds its shard of them.
+    # true: one reduce-scatter per optimizer step, but FSDP2 then keeps whole (unsharded) fp32 gradients until the
+    # last micro-batch (4 bytes per parameter per GPU: 30 GB at 7B); only worth it for small models on slow links
+    defer_grad_sync: bool = False
+    # embeddings, final norm and output head kept in fp32 under bf16 mixed precision, so the trainer's log-probs
+    # are computed at the precision the importance ratios need; "auto": on when parameters are bf16
+    fp32_head: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclass
@@ -155,6 +166,11 @@ class InferenceConfig:
     # vLLM on GPU: fraction of each engine GPU's memory vLLM may use; GPUs per engine (tensor parallelism)
     gpu_memory_utilization: float = 0.85
     tensor_parallel_size: int = 1
+    # vLLM on GPU: capture CUDA graphs for decoding (false: eager, slower, starts faster); CPU engines are eager
+    cuda_graphs: bool = True
+    # longest sequence an engine holds (prompt + completion); 0: the longest prompt (task.max_prompt_tokens when
+    # set, else the longest in the data) + task.max_new_tokens
+    max_model_len: int = 0
     # vLLM: tokens per engine step; 0: every slot's whole context on CPU (a split prompt crashes seeded sampling
     # there), vLLM's default on GPU
     max_num_batched_tokens: int = 0
@@ -264,12 +280,14 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("trainer", "micro_batch_tokens"): (lambda v: v >= 16, ">= 16"),
     ("trainer", "logprob_chunk_size"): (lambda v: v >= 1, ">= 1"),
     ("trainer", "max_nonfinite_steps"): (lambda v: v >= 1, ">= 1"),
+    ("trainer", "ac_every"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "path"): (lambda v: bool(v), "a non-empty folder path"),
     ("warmstart", "steps"): (lambda v: v >= 0, ">= 0"),
     ("warmstart", "batch_size"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "eval_every"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "min_accuracy"): (lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("inference", "max_num_seqs"): (lambda v: v >= 1, ">= 1"),
+    ("inference", "max_model_len"): (lambda v: v >= 0, ">= 0 (0: sized from the data)"),
     ("inference", "temperature"): (lambda v: v > 0, "> 0 (log-probs of a greedy policy are undefined)"),
     ("inference", "top_p"): (lambda v: 0 < v <= 1, "in (0, 1]"),
     ("inference", "max_queued_groups"): (lambda v: v >= 1, ">= 1"),

@@ -19,15 +19,36 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolve_fp32_head(setting: str, param_dtype: torch.dtype) -> bool:
+    """'auto': an fp32 head whenever the blocks compute in a lower precision."""
+    return setting == "on" or (setting == "auto" and param_dtype != torch.float32)
+
+
 def apply_fsdp(
-    model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+    model: Transformer,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    fp32_head: bool = False,
 ) -> Transformer:
-    """Shard each decoder block, then the root (embeddings, final norm, lm_head)."""
+    """Shard each decoder block, then the root (embeddings, final norm, lm_head). With `fp32_head` the root's
+    parameters are gathered and used in fp32 (the blocks still cast their inputs to `param_dtype`), so the final
+    norm, the logits and the log-probs are fp32 computations on fp32 weights."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    root_dtype = torch.float32 if fp32_head else param_dtype
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=root_dtype, reduce_dtype=reduce_dtype))
     return model
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str, every: int) -> int:
+    """Checkpoint every `every`-th decoder block when `mode` is "full" (none when "off"); returns how many."""
+    n = 0
+    for i, layer in enumerate(model.model.layers):
+        layer.checkpointed = mode == "full" and i % every == 0
+        n += layer.checkpointed
+    return n
 
 
 @torch.no_grad()

@@ -10,7 +10,13 @@ import torch
 from pipelinerl_fsdp.config import OptimizerConfig, TrainerConfig
 from pipelinerl_fsdp.models import Transformer
 from pipelinerl_fsdp.optim import build_optimizer
-from pipelinerl_fsdp.parallelize import DTYPES, apply_fsdp, resolve_param_dtype
+from pipelinerl_fsdp.parallelize import (
+    DTYPES,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    resolve_fp32_head,
+    resolve_param_dtype,
+)
 from pipelinerl_fsdp.train_step import clip_and_step
 from pipelinerl_fsdp.world import World
 
@@ -35,8 +41,14 @@ def shard(model: Transformer, world: World, trainer: TrainerConfig) -> Transform
     """FSDP2 over the trainer ranks with the configured mixed precision (the model on this rank's device)."""
     model = model.to(world.device)
     assert world.trainer_mesh is not None, "only trainer ranks shard the policy"
+    param_dtype = resolve_param_dtype(trainer.param_dtype, world.device)
+    apply_activation_checkpointing(model, trainer.activation_checkpointing, trainer.ac_every)
     apply_fsdp(
-        model, world.trainer_mesh, resolve_param_dtype(trainer.param_dtype, world.device), DTYPES[trainer.reduce_dtype]
+        model,
+        world.trainer_mesh,
+        param_dtype,
+        DTYPES[trainer.reduce_dtype],
+        resolve_fp32_head(trainer.fp32_head, param_dtype),
     )
     return model
 

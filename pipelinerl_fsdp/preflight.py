@@ -53,9 +53,23 @@ def sequence_limits(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase)
     return prompt, prompt + cfg.task.max_new_tokens
 
 
+def engine_max_len(cfg: Config, prompt_len: int) -> int:
+    """The engines' `max_model_len`: `inference.max_model_len`, or the longest prompt + `task.max_new_tokens`."""
+    need = prompt_len + cfg.task.max_new_tokens
+    set_len = cfg.inference.max_model_len
+    if set_len and set_len < need:
+        raise ConfigError(
+            f"inference.max_model_len = {set_len} is shorter than the longest prompt ({prompt_len} tokens) + "
+            f"task.max_new_tokens = {cfg.task.max_new_tokens}; raise it, or cap prompts with "
+            f"task.max_prompt_tokens ({cfg.source})"
+        )
+    return set_len or need
+
+
 def check_sequence_budget(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase) -> None:
-    """The longest sequence must fit one packed micro-batch (it is never split)."""
+    """The longest sequence must fit one packed micro-batch (it is never split) and the engines."""
     prompt, total = sequence_limits(cfg, task, tokenizer)
+    engine_max_len(cfg, prompt)  # a too-short inference.max_model_len is named here, before any engine starts
     if total > cfg.trainer.micro_batch_tokens:
         raise ConfigError(
             f"trainer.micro_batch_tokens = {cfg.trainer.micro_batch_tokens} is smaller than the "

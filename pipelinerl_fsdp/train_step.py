@@ -44,17 +44,20 @@ def forward_backward(
     group: dist.ProcessGroup | None,
     device: torch.device,
     chunk_size: int = 1024,
+    defer_grad_sync: bool = False,
 ) -> dict[str, float]:
     """Accumulate gradients over this rank's micro-batches (lockstep with the other ranks).
 
-    Returns this rank's summed statistics (callers reduce them across ranks).
+    Gradients are reduce-scattered after every micro-batch (each rank keeps only its shard); `defer_grad_sync`
+    reduces once after the last one instead (`trainer.defer_grad_sync`). Returns this rank's summed statistics
+    (callers reduce them across ranks).
     """
     n = agree_max(len(micro_batches), group, device)
     stats: dict[str, float] = {}
     for i in range(n):
         real = i < len(micro_batches)
         mb = micro_batches[i] if real else _dummy_micro_batch(device)
-        model.set_requires_gradient_sync(i == n - 1)  # reduce-scatter once per optimizer step
+        model.set_requires_gradient_sync(not defer_grad_sync or i == n - 1)
         logp, ent = model(
             mb["input_ids"],
             mb["position_ids"],

@@ -181,6 +181,7 @@ class RLTrainer:
             world.trainer_group,
             device,
             cfg.trainer.logprob_chunk_size,
+            cfg.trainer.defer_grad_sync,
         )
         if nan_loss_at(step):
             for p in self.policy.model.parameters():  # as if the loss had been NaN: every gradient NaN

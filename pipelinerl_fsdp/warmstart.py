@@ -153,7 +153,9 @@ def run_warmstart(cfg: Config, world: World) -> Path:
 
         bins = pack_into_bins([len(s) for s in seqs], cfg.trainer.micro_batch_tokens)
         micro = [collate_packed([seqs[i] for i in b], {"loss_mask": [masks[i] for i in b]}, device) for b in bins]
-        stats = forward_backward(model, micro, loss_fn, 1.0, group, device, cfg.trainer.logprob_chunk_size)
+        stats = forward_backward(
+            model, micro, loss_fn, 1.0, group, device, cfg.trainer.logprob_chunk_size, cfg.trainer.defer_grad_sync
+        )
         lr = policy.lr
         grad_norm = policy.step()
         total_tokens += sum(len(s) - 1 for s in seqs)

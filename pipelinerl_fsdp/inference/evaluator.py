@@ -11,15 +11,17 @@ reach a long completion's last tokens.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp.config import Config
-from pipelinerl_fsdp.inference.engine import Request
+from pipelinerl_fsdp.inference.engine import Engine, Request
+from pipelinerl_fsdp.rewards.scorer import Scorer
 from pipelinerl_fsdp.tasks import Task
-from pipelinerl_fsdp.tokenizer import encode_prompt
+from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt
 from pipelinerl_fsdp.transport.rollouts import EvalReport
 
 # evaluation request ids start here, far above any rollout id (stream position x attempts)
@@ -110,3 +112,31 @@ class EngineEvaluator:
     def busy(self) -> bool:
         """Requests queued or not yet scored."""
         return bool(self.queue or self._jobs)
+
+
+def evaluate_alone(
+    evaluator: EngineEvaluator,
+    engine: Engine,
+    scorer: Scorer,
+    tokenizer: PreTrainedTokenizerBase,
+    stop_ids: list[int],
+    version: int,
+    max_in_flight: int,
+) -> list[EvalReport]:
+    """Evaluate every set on an engine that has nothing else to do, as the inference loop would (the same
+    requests, slots and scorer), and return the reports: a standalone evaluation of a policy."""
+    reports = evaluator.start(version)
+    while evaluator.busy():
+        while evaluator.queue and engine.num_unfinished() < max_in_flight:
+            engine.add(evaluator.queue.popleft())
+        if engine.num_unfinished():
+            for r in engine.step():
+                text = completion_text(tokenizer, r.tokens, stop_ids)
+                scorer.submit(r.request_id, text, evaluator.gold(r.request_id), r.finished)
+        else:
+            time.sleep(0.002)  # everything generated, scores still coming
+        for rid, reward, _ in scorer.ready():
+            report = evaluator.record(rid, reward)
+            if report is not None:
+                reports.append(report)
+    return reports

@@ -70,7 +70,7 @@ def build_engine(
 
     from pipelinerl_fsdp.inference.engine import EngineSettings
     from pipelinerl_fsdp.inference.placement import engine_dtype
-    from pipelinerl_fsdp.preflight import sequence_limits, stop_token_ids
+    from pipelinerl_fsdp.preflight import engine_max_len, sequence_limits, stop_token_ids
     from pipelinerl_fsdp.tasks import make_task
     from pipelinerl_fsdp.tokenizer import load_tokenizer
 
@@ -84,7 +84,7 @@ def build_engine(
         world=world,
         model_path=str(model_path),
         tokenizer_path=str(tokenizer_path),
-        max_len=prompt_len + cfg.task.max_new_tokens,
+        max_len=engine_max_len(cfg, prompt_len),
         stop_token_ids=stop_token_ids(model_path, tokenizer),
         dtype=engine_dtype(cfg, device),
         device=device,

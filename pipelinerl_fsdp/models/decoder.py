@@ -8,11 +8,13 @@ the same forward into prefill / decode steps for generation.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from pipelinerl_fsdp.models.args import ModelArgs
 from pipelinerl_fsdp.models.logprobs import token_logprobs
@@ -99,6 +101,47 @@ def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+@dataclass(frozen=True)
+class Documents:
+    """The packed sequences of a batch as (row, start, end) spans: attention runs causally inside each span, so no
+    [T, T] mask exists. Memory grows with the sum of squared span lengths on kernels that materialise scores
+    (CPU), linearly on flash / memory-efficient kernels (GPU), which `is_causal` without a mask lets SDPA pick."""
+
+    spans: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def from_positions(cls, position_ids: torch.Tensor) -> Documents:
+        """A sequence starts wherever `position_ids` is 0 (and at the start of every row), as `packed_causal_mask`."""
+        b, t = position_ids.shape
+        starts = (position_ids == 0).clone()
+        starts[:, 0] = True
+        rows, cols = starts.nonzero(as_tuple=True)
+        spans = []
+        for row, start, nxt_row, nxt in zip(
+            rows.tolist(), cols.tolist(), rows.tolist()[1:] + [-1], cols.tolist()[1:] + [t]
+        ):
+            spans.append((row, start, nxt if nxt_row == row else t))
+        return cls(tuple(spans))
+
+
+def document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, enable_gqa: bool
+) -> torch.Tensor:
+    """Causal attention within each document span of q, k, v: [B, H, T, hd]."""
+    if len(docs.spans) == 1:  # one sequence per batch (generation prefill, unpacked rows)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
+    parts = [
+        F.scaled_dot_product_attention(
+            q[r : r + 1, :, s:e], k[r : r + 1, :, s:e], v[r : r + 1, :, s:e], is_causal=True, enable_gqa=enable_gqa
+        )
+        for r, s, e in docs.spans
+    ]
+    # spans are in row-major order and tile every row, so concatenating along T then splitting rows restores [B,...]
+    out = torch.cat(parts, dim=2)
+    b, t = q.shape[0], q.shape[2]
+    return out.view(q.shape[1], b, t, q.shape[3]).transpose(0, 1) if b > 1 else out
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
@@ -121,7 +164,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | Documents | None,
         cache: AttentionCache | None = None,
     ) -> torch.Tensor:
         b, t, _ = x.shape
@@ -136,7 +179,11 @@ class Attention(nn.Module):
             k, v, mask = cache.attend_keys(self.layer_idx, k, v)
         elif cache is not None:
             cache.store(self.layer_idx, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        gqa = self.n_kv != self.n_heads
+        if isinstance(mask, Documents):
+            out = document_attention(q, k, v, mask, gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
@@ -158,14 +205,29 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # activation checkpointing (set by `parallelize.apply_activation_checkpointing`): a flag rather than a
+        # wrapper module, so parameter names (checkpoints, weight sync) stay the HF ones
+        self.checkpointed = False
 
     def forward(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | Documents | None,
         cache: AttentionCache | None = None,
+    ) -> torch.Tensor:
+        if self.checkpointed and cache is None and torch.is_grad_enabled():
+            return checkpoint(self._block, x, cos, sin, mask, None, use_reentrant=False)
+        return self._block(x, cos, sin, mask, cache)
+
+    def _block(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | Documents | None,
+        cache: AttentionCache | None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -227,10 +289,13 @@ class Transformer(nn.Module):
             position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.args, position_ids, h.dtype)
-        if mask is None and not (cache is not None and cache.decoding):
-            mask = packed_causal_mask(position_ids)
+        attend: torch.Tensor | Documents | None = mask
+        if mask is None and cache is None:
+            attend = Documents.from_positions(position_ids)  # training and scoring: no [T, T] tensor
+        elif mask is None and cache is not None and not cache.decoding:
+            attend = packed_causal_mask(position_ids)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, mask, cache)
+            h = layer(h, cos, sin, attend, cache)
         h = self.model.norm(h)
         if targets is None:
             return self.lm_head(h).float()

@@ -60,3 +60,13 @@ def score_math_answer(completion: str, gold: str, timeout_s: int = 5) -> tuple[f
         return 0.0, "unparsable"
     ok = verify(gold_parsed, answer, timeout_seconds=timeout_s)
     return (1.0, "correct") if ok else (0.0, "wrong")
+
+
+def score_boxed_exact(completion: str, gold: str) -> tuple[float, str]:
+    """(reward, outcome) by string equality of the last boxed answer and the gold answer, whitespace removed: the
+    cheap baseline reward (no parsing, so `1/2` and `\\frac{1}{2}` differ); outcomes as `score_math_answer`."""
+    boxed = last_boxed(completion)
+    if boxed is None:
+        return 0.0, "no_answer"
+    same = "".join(boxed.split()) == "".join(gold.split())
+    return (1.0, "correct") if same else (0.0, "wrong")

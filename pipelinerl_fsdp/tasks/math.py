@@ -26,6 +26,11 @@ from pipelinerl_fsdp.rewards.scorer import PoolScorer, Scorer
 from pipelinerl_fsdp.tasks.base import Problem, Task, register_task
 
 MATH_VERIFY = "pipelinerl_fsdp.rewards.math_answer:score_math_answer"
+# built-in rewards by name; any other value of task.reward is a dotted path to the user's function
+BUILTIN_REWARDS = {
+    "math_verify": MATH_VERIFY,
+    "exact_match": "pipelinerl_fsdp.rewards.math_answer:score_boxed_exact",
+}
 DEFAULT_TEMPLATE = "{question}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
 
 
@@ -46,7 +51,8 @@ class MathConfig(TaskConfig):
     max_prompt_tokens: int = 0
     # a record without a usable question or gold answer: "error" stops before training, "skip" skips and counts
     on_bad_record: Literal["error", "skip"] = "error"
-    # "math_verify", or your own "package.module:function(completion, gold) -> reward | (reward, outcome)"
+    # "math_verify", "exact_match" (last boxed answer == gold as strings), or your own
+    # "package.module:function(completion, gold) -> reward | (reward, outcome)"
     reward: str = "math_verify"
     reward_workers: int = 2
     # an answer whose checking takes longer gets the outcome "timeout" (its worker is replaced)
@@ -111,6 +117,11 @@ class MathTask(Task):
             raise ConfigError(f"{key}: no usable problems in {', '.join(files)}")
         return out
 
+    @property
+    def reward_path(self) -> str:
+        """`package.module:function` of the reward (a built-in name resolved)."""
+        return BUILTIN_REWARDS.get(self.cfg.reward, self.cfg.reward)
+
     def train_problem(self, seed: int, index: int) -> Problem:
         epoch, pos = divmod(index, len(self.train))
         order = self._orders.get((seed, epoch))
@@ -133,18 +144,14 @@ class MathTask(Task):
         return {name: probs[:n] if n else probs for name, probs in self._eval_sets.items()}
 
     def reward(self, completion: str, answer: str) -> float:
-        from pipelinerl_fsdp.rewards.math_answer import score_math_answer
         from pipelinerl_fsdp.rewards.pool import load_reward_function
 
-        if self.cfg.reward == "math_verify":
-            return score_math_answer(completion, answer)[0]
-        out = load_reward_function(self.cfg.reward)(completion, answer)
+        out = load_reward_function(self.reward_path)(completion, answer)
         return float(out[0] if isinstance(out, tuple) else out)
 
     def scorer(self) -> Scorer:
-        fn = MATH_VERIFY if self.cfg.reward == "math_verify" else self.cfg.reward
         try:
-            pool = RewardPool(fn, self.cfg.reward_workers, self.cfg.reward_timeout_s)
+            pool = RewardPool(self.reward_path, self.cfg.reward_workers, self.cfg.reward_timeout_s)
         except ValueError as e:
             raise ConfigError(f"task.reward: {e}") from None
         return PoolScorer(pool)

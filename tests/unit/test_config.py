@@ -154,8 +154,8 @@ def test_task_keys_follow_the_selected_task(tmp_path):
 
 @pytest.mark.parametrize("name", ["math", "math_1node_gpu", "math_smollm2_cpu"])
 def test_math_configs_load_once_paths_are_set(tmp_path, name):
-    with pytest.raises(ConfigError, match=r"model\.path = .*: no such folder"):
-        load_config(["--config", name])
+    with pytest.raises(ConfigError, match=r"model\.path = .*missing.*: no such folder"):
+        load_config(["--config", name, f"--model.path={tmp_path / 'missing'}"])
     cfg = load_config(["--config", name, f"--model.path={tmp_path}", "--task.train_files=['data/math/orz.parquet']"])
     assert cfg.task.name == "math" and cfg.rl.batch_size % cfg.rl.attempts == 0
     if name == "math":  # the paper's split and batch

@@ -7,7 +7,13 @@ import json
 import pytest
 
 from pipelinerl_fsdp.config import ConfigError, load_config
-from pipelinerl_fsdp.preflight import check_sequence_budget, sequence_limits, stop_token_ids, tokenizer_folder
+from pipelinerl_fsdp.preflight import (
+    check_sequence_budget,
+    engine_max_len,
+    sequence_limits,
+    stop_token_ids,
+    tokenizer_folder,
+)
 from pipelinerl_fsdp.tasks import make_task
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer
@@ -60,3 +66,21 @@ def test_tokenizer_folder_missing_is_a_named_error(tmp_path):
     build_char_tokenizer(ALPHABET).save_pretrained(str(tmp_path / "tok"))
     cfg = load_config([f"--tokenizer.path={tmp_path / 'tok'}"])
     assert tokenizer_folder(cfg, tmp_path) == str(tmp_path / "tok")  # tokenizer.path wins over the model folder
+
+
+def test_engine_max_len_from_the_data_or_the_config():
+    cfg = load_config(["--config", "arithmetic"])
+    assert engine_max_len(cfg, 12) == 12 + cfg.task.max_new_tokens
+    cfg = load_config(["--config", "arithmetic", "--inference.max_model_len=64"])
+    assert engine_max_len(cfg, 12) == 64
+    cfg = load_config(["--config", "arithmetic", "--inference.max_model_len=10"])
+    with pytest.raises(ConfigError, match="inference.max_model_len = 10 is shorter"):
+        check_sequence_budget(cfg, make_task(cfg.task), build_char_tokenizer(ALPHABET))
+
+
+def test_cuda_graphs_only_on_gpu():
+    from pipelinerl_fsdp.inference.vllm_engine import enforce_eager
+
+    assert enforce_eager(True, on_gpu=True) is False
+    assert enforce_eager(False, on_gpu=True) is True
+    assert enforce_eager(True, on_gpu=False) is True

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pipelinerl_fsdp.rewards.math_answer import last_boxed, score_math_answer
+from pipelinerl_fsdp.rewards.math_answer import last_boxed, score_boxed_exact, score_math_answer
 from pipelinerl_fsdp.rewards.outcomes import OUTCOMES, outcome_for
 from pipelinerl_fsdp.rewards.pool import RewardPool, load_reward_function
 from pipelinerl_fsdp.rewards.scorer import InlineScorer, PoolScorer
@@ -42,6 +42,19 @@ def test_math_answers(completion, gold, outcome):
 def test_last_boxed_balances_braces():
     assert last_boxed("\\boxed{\\frac{a}{b}} x \\boxed{{1}+{2}}") == "{1}+{2}"
     assert last_boxed("\\fbox{7}") == "7" and last_boxed("none") is None
+
+
+@pytest.mark.parametrize(
+    "completion, gold, expected",
+    [
+        ("so \\boxed{ 42 }", "42", (1.0, "correct")),
+        ("\\boxed{1/2}", "\\frac{1}{2}", (0.0, "wrong")),  # no parsing: equal values, different strings
+        ("\\boxed{7} then \\boxed{8}", "8", (1.0, "correct")),  # the last box counts
+        ("the answer is 42", "42", (0.0, "no_answer")),
+    ],
+)
+def test_exact_match_reward_compares_strings(completion, gold, expected):
+    assert score_boxed_exact(completion, gold) == expected
 
 
 def test_outcome_for_exact_rewards():

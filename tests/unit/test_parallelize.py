@@ -1,0 +1,110 @@
+"""FSDP2 set-up choices on a one-rank gloo group: activation checkpointing (same gradients, fewer saved
+activations), the fp32 head under bf16 mixed precision, gradients reduced per micro-batch unless deferred."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from pipelinerl_fsdp.models import build_model, flavour_args
+from pipelinerl_fsdp.parallelize import apply_activation_checkpointing, apply_fsdp, resolve_fp32_head
+from pipelinerl_fsdp.train_step import forward_backward
+
+ARGS = flavour_args("debug", vocab_size=64)
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def batch(t: int = 48, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.cat([torch.arange(t // 2), torch.arange(t - t // 2)])[None]
+    return {
+        "input_ids": torch.randint(0, 64, (1, t), generator=g),
+        "position_ids": pos,
+        "targets": torch.randint(0, 64, (1, t), generator=g),
+    }
+
+
+def saved_bytes(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
+    """Bytes autograd keeps for the backward pass of one forward, and the gradients after it."""
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    model.zero_grad()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, _ = model(mb["input_ids"], mb["position_ids"], targets=mb["targets"])
+    logp.sum().backward()
+    return total, [p.grad.clone() for p in model.parameters()]
+
+
+def test_activation_checkpointing_same_gradients_fewer_saved_activations():
+    plain = build_model(ARGS, seed=3)
+    ckpt = copy.deepcopy(plain)
+    assert apply_activation_checkpointing(ckpt, "full", 1) == ARGS.num_hidden_layers
+    mb = batch()
+    kept_plain, g_plain = saved_bytes(plain, mb)
+    kept_ckpt, g_ckpt = saved_bytes(ckpt, mb)
+    for a, b in zip(g_plain, g_ckpt):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert kept_ckpt < 0.5 * kept_plain, (kept_ckpt, kept_plain)
+    assert apply_activation_checkpointing(ckpt, "full", 2) == (ARGS.num_hidden_layers + 1) // 2
+    assert apply_activation_checkpointing(ckpt, "off", 1) == 0
+
+
+def test_fp32_head_follows_the_block_precision():
+    assert resolve_fp32_head("auto", torch.bfloat16) and not resolve_fp32_head("auto", torch.float32)
+    assert not resolve_fp32_head("off", torch.bfloat16) and resolve_fp32_head("on", torch.float32)
+
+
+def test_fp32_head_computes_logprobs_from_fp32_weights(mesh):
+    """Under bf16 blocks, the head's log-probs equal an fp32 computation from the final hidden states with the
+    fp32 master weights; without the fp32 head they carry bf16 rounding."""
+    reference = build_model(ARGS, seed=5)
+    mb = batch(64, seed=1)
+    errors = {}
+    for fp32_head in (False, True):
+        model = apply_fsdp(copy.deepcopy(reference), mesh, torch.bfloat16, torch.float32, fp32_head)
+        hidden: list[torch.Tensor] = []
+        model.model.norm.register_forward_hook(lambda m, i, out, keep=hidden: keep.append(out))
+        with torch.no_grad():
+            logp, _ = model(mb["input_ids"], mb["position_ids"], targets=mb["targets"])
+            exact = torch.log_softmax(hidden[0].float() @ reference.lm_head.weight.t(), -1)
+            exact = exact.gather(-1, mb["targets"][..., None])[..., 0]
+        errors[fp32_head] = (logp - exact).abs().max().item()
+    assert errors[True] < 1e-5 and errors[False] > 1e-3, errors
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_gradients_are_reduced_per_micro_batch_unless_deferred(mesh, defer: bool):
+    model = apply_fsdp(build_model(ARGS, seed=7), mesh, torch.float32, torch.float32)
+    seen: list[bool] = []
+
+    def loss_fn(logp, ent, mb):
+        # runs after the previous micro-batch's backward: are this rank's gradient shards there yet? (a block's
+        # parameters: the blocks are resharded after their forward, the root's are not)
+        seen.append(any(p.grad is not None for p in model.model.layers[0].parameters()))
+        return logp.sum(), {}
+
+    micro = [batch(seed=i) for i in range(3)]
+    forward_backward(model, micro, loss_fn, 1.0, None, torch.device("cpu"), defer_grad_sync=defer)
+    assert seen == [False, not defer, not defer]
+    grads = [p.grad.full_tensor().clone() for p in model.parameters()]
+    # the same sum of gradients either way
+    model.zero_grad()
+    forward_backward(model, micro, loss_fn, 1.0, None, torch.device("cpu"), defer_grad_sync=not defer)
+    for a, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad.full_tensor(), rtol=1e-5, atol=1e-6)
