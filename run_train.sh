@@ -2,7 +2,8 @@
 # Set up the environment (first run only) and launch one torchrun job.
 #   bash run_train.sh [--config NAME_OR_PATH] [--section.key=value ...]
 # Environment: NPROC_PER_NODE (default 2: the default config has 1 inference + 1 trainer rank), NNODES (1), NODE_RANK (0), RDZV_ENDPOINT (host:port, multi-node),
-# RDZV_ID, EXTRAS (pip extras for setup, default "test,cpu"; "test,gpu" on CUDA machines), SKIP_SETUP=1 to use the current Python as is.
+# RDZV_ID, EXTRAS (pip extras for setup, default "test,cpu"; "test,gpu" on CUDA machines), SKIP_SETUP=1 to use the current Python as is,
+# MAX_RESTARTS (torchrun --max-restarts; default: the config's job.max_restarts).
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ "${SKIP_SETUP:-0}" != 1 ]; then
@@ -20,10 +21,12 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
 fi
 args=(--config arithmetic)
 for a in "$@"; do case "$a" in --config|--config=*) args=() ;; esac; done
+# the config is checked here first (a bad key fails in one process, before any rank starts)
+MAX_RESTARTS="${MAX_RESTARTS:-$("$PY" -m pipelinerl_fsdp.launch max-restarts "${args[@]}" "$@")}"
 if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
   exec "$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$NPROC_PER_NODE" \
-    run_train.py "${args[@]}" "$@"
+    --max-restarts "$MAX_RESTARTS" run_train.py "${args[@]}" "$@"
 fi
 exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
-  --node-rank "${NODE_RANK:-0}" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" \
+  --max-restarts "$MAX_RESTARTS" --node-rank "${NODE_RANK:-0}" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" \
   --rdzv-id "${RDZV_ID:-pipelinerl}" run_train.py "${args[@]}" "$@"

@@ -35,12 +35,17 @@ class JobConfig:
     seed: int = 0
     # "warmstart": supervised training of the initial policy only.
     # "rl": warm start if its folder is missing, then PipelineRL from that folder (or from model.path).
-    stage: Literal["warmstart", "rl"] = "warmstart"
+    # "plan": print the layout and memory per GPU for the [plan] cluster and exit (plain python, no GPU)
+    stage: Literal["warmstart", "rl", "plan"] = "warmstart"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # torch threads per rank; 0 = the node's cores divided by the ranks on the node
     threads_per_rank: int = 0
     # show third-party logs (vLLM's per-step and per-update INFO lines, its warnings on weight reloads)
     debug: bool = False
+    # restarts of the whole job after a failed process (torchrun --max-restarts, passed by run_train.sh and the
+    # SLURM wrapper; the MAX_RESTARTS environment variable overrides it): a restarted job resumes from the newest
+    # intact checkpoint (checkpoint.resume = "auto"), so set checkpoint.interval too
+    max_restarts: int = 0
 
 
 @dataclass
@@ -240,8 +245,11 @@ class CheckpointConfig:
     interval: int = 0
     # default: <job.output_dir>/checkpoints
     folder: str = ""
-    # continue from the latest checkpoint in `folder` (an error if there is none)
-    resume: bool = False
+    # "auto": a (re)started job continues from the newest intact checkpoint in `folder` when there is one;
+    # "required": the same, an error when there is none; "off": always start from step 0
+    resume: Literal["auto", "required", "off"] = "auto"
+    # resume from this checkpoint folder (a step-NNNNNNN folder) instead; it must be intact
+    resume_from: str = ""
     keep: int = 2
 
 
@@ -253,6 +261,17 @@ class MetricsConfig:
     rollouts_every: int = 0
     # rollouts per console-logged step in TensorBoard's text tab (0: none)
     rollouts_in_tensorboard: int = 2
+
+
+@dataclass
+class PlanConfig:
+    """The cluster `--job.stage=plan` lays the job out on (see pipelinerl_fsdp/plan.py)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    # torchrun processes per node; 0: one per GPU
+    procs_per_node: int = 0
+    gpu_memory_gib: float = 80.0
 
 
 @dataclass
@@ -270,6 +289,7 @@ class Config:
     world: WorldConfig = field(default_factory=WorldConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     # where the values came from, for error messages (not a TOML section)
     source: str = field(default="defaults", metadata={"internal": True})
 
@@ -281,6 +301,11 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("trainer", "logprob_chunk_size"): (lambda v: v >= 1, ">= 1"),
     ("trainer", "max_nonfinite_steps"): (lambda v: v >= 1, ">= 1"),
     ("trainer", "ac_every"): (lambda v: v >= 1, ">= 1"),
+    ("job", "max_restarts"): (lambda v: v >= 0, ">= 0"),
+    ("plan", "nodes"): (lambda v: v >= 1, ">= 1"),
+    ("plan", "gpus_per_node"): (lambda v: v >= 1, ">= 1"),
+    ("plan", "procs_per_node"): (lambda v: v >= 0, ">= 0"),
+    ("plan", "gpu_memory_gib"): (lambda v: v > 0, "> 0"),
     ("warmstart", "path"): (lambda v: bool(v), "a non-empty folder path"),
     ("warmstart", "steps"): (lambda v: v >= 0, ">= 0"),
     ("warmstart", "batch_size"): (lambda v: v >= 1, ">= 1"),
@@ -526,7 +551,7 @@ def validate(cfg: Config) -> None:
 
     if not cfg.model.path and cfg.model.flavour not in FLAVOURS:
         raise ConfigError(f"model.flavour = {cfg.model.flavour!r} is not one of {sorted(FLAVOURS)} ({cfg.source})")
-    for key in ("model.path", "tokenizer.path"):
+    for key in ("model.path", "tokenizer.path") if cfg.job.stage != "plan" else ():  # a plan reads no weights
         sec, name = key.split(".")
         path = getattr(getattr(cfg, sec), name)
         if path and not Path(path).is_dir():

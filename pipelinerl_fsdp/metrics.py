@@ -62,6 +62,13 @@ def console_line(
     return " | ".join(parts)
 
 
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except ValueError:  # a line cut off by the crash
+        return 1 << 62
+
+
 class MetricsLogger:
     """Writes from one rank only (construct with enabled=False elsewhere)."""
 
@@ -73,7 +80,10 @@ class MetricsLogger:
         prefix: str = "",
         total_steps: int = 0,
         console_fields: ConsoleFields | None = None,
+        resume_step: int | None = None,
     ) -> None:
+        """With `resume_step` (a resumed run), records after that step, written by the attempt that stopped, are
+        dropped from metrics.jsonl and TensorBoard, so that the continued run logs every step once."""
         self.enabled = enabled
         self.prefix = prefix
         self.total_steps = total_steps
@@ -87,11 +97,16 @@ class MetricsLogger:
             return
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self._file = open(out / "metrics.jsonl", "a", buffering=1)
+        path = out / "metrics.jsonl"
+        if resume_step is not None and path.exists():
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept))
+        self._file = open(path, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(out / "tb"))
+            purge = None if resume_step is None else resume_step + 1  # events at later steps are hidden
+            self._writer = SummaryWriter(log_dir=str(out / "tb"), purge_step=purge)
 
     def log(self, step: int, values: dict[str, Any], console: bool = True) -> None:
         if not self.enabled:

@@ -120,6 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return 2
+    if cfg.job.stage == "plan":
+        from pipelinerl_fsdp.plan import make_plan
+
+        try:
+            text, problems = make_plan(cfg)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+            return 2
+        print(text, flush=True)
+        return 1 if problems else 0
     try:
         run(cfg)
     except BaseException as e:

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from pipelinerl_fsdp.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from pipelinerl_fsdp.checkpoint import load_checkpoint, resume_point, save_checkpoint
 from pipelinerl_fsdp.collector import Collector
-from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
+from pipelinerl_fsdp.config import Config, checkpoint_folder
 from pipelinerl_fsdp.evaluation import EvalAggregator
 from pipelinerl_fsdp.faults import maybe_fail, nan_loss_at
 from pipelinerl_fsdp.inference.factory import engine_kind
@@ -92,8 +92,11 @@ class RLTrainer:
         self._eval_values: dict[str, float] = {}
         self.version = self.start_step = 0
         self.nonfinite_in_row = self.skipped_steps = 0
-        if cfg.checkpoint.resume:
-            self._resume()
+        resume_from, skipped = resume_point(cfg)
+        for warning in skipped if world.is_main else []:
+            print(f"[rl] warning: {warning}", flush=True)
+        if resume_from is not None:
+            self._resume(resume_from)
         self.logger = MetricsLogger(
             Path(cfg.job.output_dir) / "rl",
             cfg.metrics.tensorboard,
@@ -101,6 +104,7 @@ class RLTrainer:
             prefix="rl/",
             total_steps=rl.max_steps,
             console_fields=rl_console(self.eval_sets[0] if self.eval_sets else None),
+            resume_step=self.start_step if resume_from is not None else None,
         )
         self.rollout_log = RolloutLog(
             Path(cfg.job.output_dir) / "rl" / "rollouts",
@@ -112,11 +116,7 @@ class RLTrainer:
         self._engines_before = EngineCounters()
         self._t_prev = time.perf_counter()
 
-    def _resume(self) -> None:
-        folder = checkpoint_folder(self.cfg)
-        path = latest_checkpoint(folder)
-        if path is None:
-            raise ConfigError(f"checkpoint.resume = true but {folder} holds no complete checkpoint")
+    def _resume(self, path: Path) -> None:
         p = self.policy
         meta = load_checkpoint(path, p.model, p.optimizer, p.scheduler, self.world.trainer_group)
         self.start_step, self.version = meta["step"], meta["version"]
@@ -319,10 +319,12 @@ class RLTrainer:
         )
 
     def run(self) -> None:
-        interval = self.cfg.checkpoint.interval
-        for step in range(self.start_step, self.cfg.rl.max_steps):
+        interval, last = self.cfg.checkpoint.interval, self.cfg.rl.max_steps
+        if self.start_step >= last and self.world.is_main:
+            print(f"[rl] the checkpoint is at step {self.start_step} of {last}: nothing left to train", flush=True)
+        for step in range(self.start_step, last):
             self.train_step(step)
-            if interval and (step + 1) % interval == 0:
+            if interval and ((step + 1) % interval == 0 or step + 1 == last):  # and a final one
                 self.checkpoint(step + 1)
         self.close()
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipelinerl_fsdp.config import Config, ConfigError
+from pipelinerl_fsdp.transport.store_group import store_prefix
 
 
 @dataclass
@@ -101,13 +102,15 @@ def init_world(cfg: Config) -> World:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
         os.environ.update(RANK="0", WORLD_SIZE="1")
     if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=cfg.world.timeout_s)
         # nccl for the trainers' collectives, gloo for CPU-only ranks (vLLM inference ranks, the rollout group)
         dist.init_process_group(
             "cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=cfg.world.timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
+            store=_attempt_store(rank, world_size, timeout),
         )
     n_inf = cfg.world.inference_ranks
     if n_inf >= world_size:
@@ -148,6 +151,21 @@ def init_world(cfg: Config) -> World:
     )
 
 
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The default group's store, under this attempt's prefix. torchrun keeps one store for the whole job, also
+    across restarts (`--max-restarts`): without the prefix a restarted rank reads the dead attempt's addresses and
+    fails to connect. Under torchrun its agent hosts the store; a plain `python run_train.py` hosts it on rank 0."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=not agent and rank == 0,
+        timeout=timeout,
+    )
+    return dist.PrefixStore(f"{store_prefix()}default/", store)
+
+
 def job_flags(timeout_s: float) -> dist.Store:
     """A client of the job's TCPStore (torchrun's, at MASTER_ADDR:MASTER_PORT) for one-off flags between ranks."""
     store = dist.TCPStore(
@@ -156,7 +174,7 @@ def job_flags(timeout_s: float) -> dist.Store:
         is_master=False,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    return dist.PrefixStore("pipelinerl/flags/", store)
+    return dist.PrefixStore(f"{store_prefix()}flags/", store)
 
 
 def shutdown() -> None:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # SLURM wrapper: one torchrun agent per node, joined by a c10d rendezvous on the first node.
 #   sbatch --nodes 16 --ntasks-per-node 1 --gpus-per-node 8 scripts/slurm_train.sh --config math.toml
-# GPUS_PER_NODE (default 8) sets the processes per node; the repository must be on a shared file system and its
-# .venv set up once beforehand (bash scripts/setup_env.sh test,gpu).
+# GPUS_PER_NODE (default 8) sets the processes per node; MAX_RESTARTS (default: the config's job.max_restarts)
+# the restarts after a failure, each resuming from the newest intact checkpoint. The repository (and the
+# output folder) must be on a shared file system and its .venv set up once beforehand (bash scripts/setup_env.sh
+# test,gpu).
 #SBATCH --job-name=pipelinerl
 #SBATCH --ntasks-per-node=1
 #SBATCH --output=slurm-%j.out
@@ -10,6 +12,6 @@ set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export NNODES="$SLURM_JOB_NUM_NODES" NPROC_PER_NODE="${GPUS_PER_NODE:-8}"
-export RDZV_ENDPOINT="${head_node}:${RDZV_PORT:-29500}" RDZV_ID="$SLURM_JOB_ID" SKIP_SETUP=1 PYTHON=.venv/bin/python
+export RDZV_ENDPOINT="${head_node}:${RDZV_PORT:-29500}" RDZV_ID="$SLURM_JOB_ID" SKIP_SETUP=1 PYTHON="${PYTHON:-.venv/bin/python}"
 # srun starts one task per node; each gets its node rank from SLURM_NODEID.
 srun --kill-on-bad-exit=1 bash -c 'NODE_RANK=$SLURM_NODEID exec bash run_train.sh "$@"' _ "$@"

@@ -20,7 +20,7 @@ def free_port() -> int:
 
 
 def torchrun_script(
-    nproc: int, script: Path, *args: str, timeout: float = 900, threads: int = 1
+    nproc: int, script: Path, *args: str, timeout: float = 900, threads: int = 1, max_restarts: int = 0
 ) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node nproc script args...` on a fresh local rendezvous; output captured."""
     env = dict(
@@ -38,6 +38,8 @@ def torchrun_script(
         "1",
         "--nproc-per-node",
         str(nproc),
+        "--max-restarts",
+        str(max_restarts),
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
@@ -66,10 +68,18 @@ def native_heap_abort(stderr: str) -> bool:
     return "SIGABRT" in stderr and any(m in stderr for m in glibc)
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 900, threads: int = 1) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, *args: str, timeout: float = 900, threads: int = 1, max_restarts: int = 0
+) -> subprocess.CompletedProcess:
     """The real job: `torchrun ... run_train.py args...`."""
     return torchrun_script(
-        nproc, ROOT / "run_train.py", *args, f"--job.threads_per_rank={threads}", timeout=timeout, threads=threads
+        nproc,
+        ROOT / "run_train.py",
+        *args,
+        f"--job.threads_per_rank={threads}",
+        timeout=timeout,
+        threads=threads,
+        max_restarts=max_restarts,
     )
 
 

@@ -215,6 +215,8 @@ class VLLMEngine(Engine):
         if budget:
             kwargs["max_num_batched_tokens"] = budget
         self.llm = self._call(self._start(kwargs), start_timeout_s)
+        # vLLM's processes end with this one, even when it is killed without a chance to close them
+        self._call(self.llm.collective_rpc("watch_inference_rank", args=(os.getpid(),)), start_timeout_s)
 
     # -- loop-thread side ---------------------------------------------------------------------------------------
     def _call(self, coro: Any, timeout: float | None = None) -> Any:

@@ -7,6 +7,11 @@ and the client pauses its scheduler around them). Keep this module light: vLLM i
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
 
 import torch
 
@@ -22,6 +27,28 @@ def _drop_rotary_reload_warning(record: logging.LogRecord) -> bool:
     when a reload brings nothing for a layer, vLLM puts the layer's own tensors back (`_place_kernel_tensors`), so
     the cache stays as it was. Any other layer that fails to load still warns."""
     return not (record.getMessage() == "RotaryEmbedding: Failed to load weights")
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of `pid` (Linux /proc), or None when it cannot be read (the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
+
+
+def _watch_rank(rank_pid: int, core_pid: int, period_s: float) -> None:
+    """Kill this engine (its core process and this worker) once the inference rank that started it is gone. A rank
+    that dies by SIGKILL (OOM killer) or SIGTERM runs no clean-up, and vLLM's processes would outlive the job."""
+    while True:
+        time.sleep(period_s)
+        if parent_of(core_pid) == rank_pid:
+            continue
+        print(f"[vLLM worker {os.getpid()}] inference rank process {rank_pid} is gone: stopping", flush=True)
+        if core_pid != os.getpid():
+            os.kill(core_pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class WeightUpdateExtension:
@@ -50,6 +77,14 @@ class WeightUpdateExtension:
         logging.getLogger(RELOAD_LOGGER).addFilter(_drop_rotary_reload_warning)
         rank = base_rank + int(getattr(self, "rank", 0))
         self._pl_group = join_store_group(host, port, group_name, rank, size, backend, device, timeout_s)
+
+    def watch_inference_rank(self, rank_pid: int, period_s: float = 1.0) -> None:
+        """Start the watchdog that ends this engine when its inference rank's process dies (`_watch_rank`)."""
+        # the engine core is this worker's parent, or this very process when vLLM runs the worker in the core
+        core_pid = os.getppid() if parent_of(os.getppid()) == rank_pid else os.getpid()
+        if parent_of(core_pid) != rank_pid:
+            return  # not the process layout we know (no /proc?): nothing to watch safely
+        threading.Thread(target=_watch_rank, args=(rank_pid, core_pid, period_s), daemon=True).start()
 
     def receive_weight_update(self, load: bool = True) -> dict[str, int]:
         """Receive one update into the receive buffers and (unless `load` is false: see `load_received_weights`)

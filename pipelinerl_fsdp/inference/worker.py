@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from pipelinerl_fsdp.checkpoint import latest_checkpoint, read_meta
-from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
+from pipelinerl_fsdp.checkpoint import read_meta, resume_point
+from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.faults import maybe_fail
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.evaluator import EngineEvaluator
@@ -78,14 +78,12 @@ class InferenceWorker:
         self._quota = per_round // n_inf + (world.inference_index < per_round % n_inf)
         self._round_left = self._quota
         self.evaluator = EngineEvaluator(cfg, self.task, self.tokenizer, world.inference_index, n_inf, self._max_prompt)
-        if cfg.checkpoint.resume:
-            self._resume()
+        resume_from, _ = resume_point(cfg)  # the trainer's choice: the same answer from the same folder
+        if resume_from is not None:
+            self._resume(resume_from)
 
-    def _resume(self) -> None:
+    def _resume(self, path: Path) -> None:
         """Continue the prompt stream after the groups the checkpoint had seen; wait for its weights."""
-        path = latest_checkpoint(checkpoint_folder(self.cfg))
-        if path is None:
-            raise ConfigError(f"checkpoint.resume = true but {checkpoint_folder(self.cfg)} holds no checkpoint")
         nxt = read_meta(path)["stream_next"].get(str(self.world.inference_index))
         if nxt is not None:
             self.stream.reset({"index": nxt})
@@ -228,11 +226,9 @@ class InferenceWorker:
         attempts, cap = self.cfg.rl.attempts, self.cfg.inference.max_num_seqs
         # groups in the engine or waiting for their scores: scoring slower than generation must not let them pile up
         max_groups = 2 * (cap // attempts)
-        n_steps = 0
         self._maybe_evaluate(self.engine.version)  # version 0 with eval.at_start (or a resumed run's version)
         while not self.stopped:
-            maybe_fail(self.world.rank, n_steps)
-            n_steps += 1
+            maybe_fail(self.world.rank, self.engine.version)
             self._service_update()
             if self.stopped:
                 break

@@ -189,6 +189,42 @@ FLAVOURS: dict[str, ModelArgs] = {
         num_key_value_heads=4,
         tie_word_embeddings=True,
     ),
+    # Public Qwen2.5 shapes (random weights when built): for `--job.stage=plan` and the GPU check
+    "qwen2.5-0.5b": ModelArgs(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        max_position_embeddings=32768,
+    ),
+    "qwen2.5-1.5b": ModelArgs(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        max_position_embeddings=32768,
+    ),
+    "qwen2.5-7b": ModelArgs(
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        max_position_embeddings=32768,
+    ),
 }
 
 

@@ -25,12 +25,18 @@ def store_address() -> tuple[str, int]:
         raise RuntimeError(f"{e.args[0]} is not set: store-built groups need a torchrun job") from None
 
 
+def store_prefix() -> str:
+    """Key prefix of this job attempt in the torchrun store: the store outlives a restart (`--max-restarts`), and
+    keys left by the failed attempt (group addresses, flags) must not be read by the next one."""
+    return f"pipelinerl/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
 def join_store_group(
     host: str, port: int, name: str, rank: int, size: int, backend: str, device: torch.device, timeout_s: float
 ) -> dist.ProcessGroup:
     """Join group `name` as `rank` of `size`; blocks until every member has joined (or `timeout_s`)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(f"pipelinerl/{name}/", dist.TCPStore(host, port, is_master=False, timeout=timeout))
+    store = dist.PrefixStore(f"{store_prefix()}{name}/", dist.TCPStore(host, port, is_master=False, timeout=timeout))
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if backend == "nccl":

@@ -62,7 +62,7 @@ def records(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
 
 
-def short_run(nproc: int, n_inf: int, warm: Path, out: Path, *extra: str, timeout: float = 600):
+def short_run(nproc: int, n_inf: int, warm: Path, out: Path, *extra: str, timeout: float = 600, max_restarts=0):
     return torchrun(
         nproc,
         "--config",
@@ -78,6 +78,7 @@ def short_run(nproc: int, n_inf: int, warm: Path, out: Path, *extra: str, timeou
         "--eval.every=0",
         *extra,
         timeout=timeout,
+        max_restarts=max_restarts,
     )
 
 
@@ -270,7 +271,7 @@ def test_checkpoint_resume_restores_the_trainer_exactly(warm_folder, tmp_path):
     assert r.returncode == 0, r.stderr[-4000:]
     assert (tmp_path / "ck" / "latest").read_text().strip() == "step-0000004"
     # Resuming at the last step trains nothing: the exported policy must be the checkpoint's, bit for bit.
-    r = short_run(2, 1, warm_folder, tmp_path / "b", ck, "--rl.max_steps=4", "--checkpoint.resume=true")
+    r = short_run(2, 1, warm_folder, tmp_path / "b", ck, "--rl.max_steps=4", "--checkpoint.resume=required")
     assert r.returncode == 0, r.stderr[-4000:]
     assert "resumed from" in r.stdout
     a = load_file(str(tmp_path / "a" / "final" / "model.safetensors"))
@@ -279,17 +280,39 @@ def test_checkpoint_resume_restores_the_trainer_exactly(warm_folder, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], init[k]) for k in a)  # training did move the weights
     # Resuming with more steps continues the version count where it stopped.
-    r = short_run(2, 1, warm_folder, tmp_path / "c", ck, "--rl.max_steps=6", "--checkpoint.resume=true")
+    r = short_run(2, 1, warm_folder, tmp_path / "c", ck, "--rl.max_steps=6", "--checkpoint.resume=required")
     assert r.returncode == 0, r.stderr[-4000:]
     assert [x["version"] for x in records(tmp_path / "c")] == [5, 6]
 
 
+@pytest.mark.parametrize("fault", ["0:6:kill", "1:6:kill"])  # SIGKILL of the trainer / of the inference rank
+def test_a_killed_rank_restarts_the_job_which_resumes_and_finishes(warm_folder, tmp_path, fault):
+    """torchrun --max-restarts=1: the job restarts after a rank dies without a word, resumes from the newest intact
+    checkpoint (losing at most one interval of steps), continues the data position, and every step is logged
+    once."""
+    os.environ["PIPELINERL_FAULT"] = fault
+    try:
+        r = short_run(2, 1, warm_folder, tmp_path, "--checkpoint.interval=4", "--metrics.log_every=1", max_restarts=1)
+    finally:
+        del os.environ["PIPELINERL_FAULT"]
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "injected SIGKILL" in r.stdout
+    assert "resumed from" in r.stdout, r.stdout[-3000:]
+    resumed_at = int(r.stdout.split("resumed from")[1].split("at step")[1].split(",")[0])
+    assert resumed_at in (4, 8)
+    steps = [x["step"] for x in records(tmp_path)]
+    assert steps == list(range(1, 13))  # every step once, none duplicated by the restart
+    assert [x["version"] for x in records(tmp_path)][-1] == 12
+    ck = tmp_path / "checkpoints"
+    assert (ck / "latest").read_text().strip() == "step-0000012"  # a final checkpoint
+
+
 def test_resume_without_checkpoint_is_an_error(warm_folder, tmp_path):
     r = short_run(
-        2, 1, warm_folder, tmp_path, f"--checkpoint.folder={tmp_path}/none", "--checkpoint.resume=true", timeout=180
+        2, 1, warm_folder, tmp_path, f"--checkpoint.folder={tmp_path}/none", "--checkpoint.resume=required", timeout=180
     )
     assert r.returncode != 0
-    assert "checkpoint.resume = true but" in r.stderr
+    assert "checkpoint.resume = 'required' but" in r.stderr
 
 
 def test_resumed_trainer_takes_the_same_next_step(tmp_path):

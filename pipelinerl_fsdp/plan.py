@@ -1,0 +1,239 @@
+"""`--job.stage=plan`: the job's layout and memory per GPU, computed from the config before anything starts.
+
+    python run_train.py --config math --job.stage=plan [--plan.nodes=16 --plan.gpus_per_node=8 ...]
+
+No torchrun, no GPU, no weights: the model's shape comes from `model.path`'s config.json, or from `model.flavour`
+when that folder is not there. Ranks are laid out as the job lays them out (trainers on the low ranks, one process
+per GPU, each engine's `tensor_parallel_size` GPUs after its node's trainer GPUs). The estimates, per GPU:
+
+trainer (FSDP2 over all trainer ranks): fp32 parameter, gradient and AdamW shards (16 bytes per parameter / N),
+  the KL reference model's shard when `rl.kl_coef` > 0; the gathered blocks (the current one and the prefetched
+  next, in the parameter dtype, plus the current block's full gradient in the reduce dtype); the root (embeddings,
+  head) gathered for the whole step (fp32 with the fp32 head); unsharded fp32 gradients when
+  `trainer.defer_grad_sync`; activations of one micro-batch of `trainer.micro_batch_tokens` tokens: per block
+  and token, the tensors autograd keeps for our decoder block with flash-style attention (no score matrix),
+  counted from the code as 7H + 2KV + heads + 4I + 2 head_dim + 2 elements (H hidden, I MLP, KV the key/value
+  width; `tests/unit/test_plan.py` checks it against what autograd keeps), or, with activation checkpointing,
+  each checkpointed block's input (H) plus one block recomputed during the backward pass; the log-prob chunks
+  (three chunk x vocab fp32 buffers) and the final hidden states; the weight sync as implemented (one bucket
+  gathered in fp32 on every trainer rank, a send buffer of the whole model in the engine dtype on the first).
+engine (vLLM): `gpu_memory_utilization` of the GPU for weights, activations and KV cache (activations and CUDA
+  graphs are taken as 2 GiB: vLLM's profile decides the exact number at start-up), the receive buffers of the
+  weight sync (the whole model in the engine dtype per tensor-parallel shard) on top of it, and how many KV-cache
+  tokens fit next to the weights, against `max_num_seqs` x `max_model_len`.
+Every GPU also loses ~1.5 GiB to the CUDA context and the allocator. The plan fails when a GPU's total exceeds its
+memory, when an engine cannot hold one full-length sequence, or when a node has fewer GPUs than its ranks need.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelinerl_fsdp.config import Config, ConfigError
+from pipelinerl_fsdp.models.args import ModelArgs, flavour_args
+
+GIB = 1 << 30
+CUDA_CONTEXT_GIB = 1.5
+VLLM_ACTIVATIONS_GIB = 2.0
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def plan_model_args(cfg: Config) -> tuple[ModelArgs, str]:
+    """The model's shape and where it came from: `model.path`'s config.json, else `model.flavour`."""
+    config_json = Path(cfg.model.path) / "config.json" if cfg.model.path else None
+    if config_json is not None and config_json.is_file():
+        return ModelArgs.from_hf_config(json.loads(config_json.read_text())), str(config_json)
+    try:
+        return flavour_args(cfg.model.flavour), f"model.flavour = {cfg.model.flavour!r}"
+    except ValueError as e:
+        raise ConfigError(f"plan: model.path has no config.json and {e} ({cfg.source})") from None
+
+
+def block_activation_elements(args: ModelArgs) -> int:
+    """Elements autograd keeps per token for one decoder block (flash-style attention: no score matrix)."""
+    hd = args.head_dim or args.hidden_size // args.num_attention_heads
+    kv = args.num_key_value_heads * hd
+    return 7 * args.hidden_size + 2 * kv + args.num_attention_heads + 4 * args.intermediate_size + 2 * hd + 2
+
+
+@dataclass
+class NodeLayout:
+    node: int
+    trainers: int
+    engines: int
+    gpus_needed: int
+
+
+def layout(cfg: Config) -> list[NodeLayout]:
+    """Trainer and engine ranks per node (trainers on the low global ranks, `plan.procs_per_node` per node)."""
+    pl, tp = cfg.plan, cfg.inference.tensor_parallel_size
+    procs = pl.procs_per_node or pl.gpus_per_node
+    world = pl.nodes * procs
+    n_inf = cfg.world.inference_ranks
+    if not 0 < n_inf < world:
+        raise ConfigError(
+            f"plan: world.inference_ranks = {n_inf} must be in [1, {world - 1}] for {pl.nodes} node(s) x "
+            f"{procs} processes ({cfg.source})"
+        )
+    first_inf = world - n_inf
+    out = []
+    for node in range(pl.nodes):
+        ranks = range(node * procs, (node + 1) * procs)
+        trainers = sum(r < first_inf for r in ranks)
+        engines = procs - trainers
+        out.append(NodeLayout(node, trainers, engines, trainers + engines * tp))
+    return out
+
+
+def trainer_memory(cfg: Config, args: ModelArgs, n_trainers: int, checkpointing: bool) -> dict[str, float]:
+    """Bytes per trainer GPU by item (see the module docstring)."""
+    tr = cfg.trainer
+    p = args.num_params()
+    h, v, layers = args.hidden_size, args.vocab_size, args.num_hidden_layers
+    root = v * h * (1 if args.tie_word_embeddings else 2) + h
+    block = (p - root) / layers
+    pbytes = 4 if tr.param_dtype == "float32" else 2  # "auto" on GPU: bf16
+    fp32_head = tr.fp32_head == "on" or (tr.fp32_head == "auto" and pbytes < 4)
+    rbytes = DTYPE_BYTES[tr.reduce_dtype]
+    ebytes = 2 if cfg.inference.dtype == "auto" else DTYPE_BYTES[cfg.inference.dtype]
+    t = tr.micro_batch_tokens
+    act = block_activation_elements(args) * pbytes
+    if checkpointing:
+        every = tr.ac_every
+        kept = sum(1 for i in range(layers) if i % every == 0)
+        activations = t * (kept * h * pbytes + (layers - kept) * act + act)
+    else:
+        activations = t * layers * act
+    out = {
+        "parameters (fp32 shard)": 4 * p / n_trainers,
+        "gradients (fp32 shard)": 4 * p / n_trainers,
+        "AdamW state (fp32 shard)": 8 * p / n_trainers,
+        "KL reference (fp32 shard)": 4 * p / n_trainers if cfg.rl.kl_coef > 0 else 0.0,
+        "gathered blocks (2) + block gradient": 2 * block * pbytes + block * rbytes,
+        f"root: embeddings + head ({'fp32' if fp32_head else 'param dtype'})": root * (4 if fp32_head else pbytes),
+        "unsharded gradients (defer_grad_sync)": 4 * p if tr.defer_grad_sync else 0.0,
+        f"activations ({t} tokens, {'checkpointed' if checkpointing else 'no checkpointing'})": activations,
+        "log-prob chunks + final hidden": 3 * tr.logprob_chunk_size * v * 4 + t * h * 4,
+        "weight sync: gathered bucket (fp32)": min(cfg.world.weight_bucket_mb * (1 << 20), 4 * p),
+        "weight sync: send buffers (first trainer)": p * ebytes,
+        "CUDA context, allocator": CUDA_CONTEXT_GIB * GIB,
+    }
+    return out
+
+
+def engine_memory(cfg: Config, args: ModelArgs, max_model_len: int) -> tuple[dict[str, float], int, int]:
+    """(bytes per engine GPU by item, KV-cache tokens that fit, tokens the engine's slots can ask for)."""
+    inf = cfg.inference
+    tp = inf.tensor_parallel_size
+    gpu = cfg.plan.gpu_memory_gib * GIB
+    ebytes = 2 if inf.dtype == "auto" else DTYPE_BYTES[inf.dtype]
+    p = args.num_params()
+    weights = p * ebytes / tp
+    hd = args.head_dim or args.hidden_size // args.num_attention_heads
+    kv_per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * hd * ebytes / tp
+    budget = inf.gpu_memory_utilization * gpu
+    kv = max(0.0, budget - weights - VLLM_ACTIVATIONS_GIB * GIB)
+    items = {
+        "vLLM budget (gpu_memory_utilization)": budget,
+        "  of which weights": weights,
+        "  of which activations, CUDA graphs (est.)": VLLM_ACTIVATIONS_GIB * GIB,
+        "  of which KV cache": kv,
+        "weight sync: receive buffers": p * ebytes / tp,
+        "CUDA context, allocator": CUDA_CONTEXT_GIB * GIB,
+    }
+    return items, int(kv // kv_per_token), inf.max_num_seqs * max_model_len
+
+
+def engine_max_model_len(cfg: Config) -> int:
+    """The engines' max_model_len as the plan can know it without reading the data."""
+    if cfg.inference.max_model_len:
+        return cfg.inference.max_model_len
+    cap = getattr(cfg.task, "max_prompt_tokens", 0)
+    if not cap:
+        raise ConfigError(
+            f"plan: set inference.max_model_len or task.max_prompt_tokens (the engines' sequence length) ({cfg.source})"
+        )
+    return cap + cfg.task.max_new_tokens
+
+
+def _total(items: dict[str, float]) -> float:
+    return sum(v for k, v in items.items() if not k.startswith("  "))
+
+
+def make_plan(cfg: Config) -> tuple[str, list[str]]:
+    """The plan as text, and the reasons it does not fit (empty: it fits)."""
+    args, source = plan_model_args(cfg)
+    pl = cfg.plan
+    gpu = pl.gpu_memory_gib * GIB
+    nodes = layout(cfg)
+    n_trainers = sum(n.trainers for n in nodes)
+    problems = []
+    lines = [
+        f"plan: {pl.nodes} node(s) x {pl.gpus_per_node} GPUs of {pl.gpu_memory_gib:g} GiB; model from {source}: "
+        f"{args.num_params() / 1e9:.2f}B parameters, {args.num_hidden_layers} layers, hidden {args.hidden_size}",
+        "",
+        "| node | trainer ranks | engine ranks (x tp) | GPUs used |",
+        "|---|---|---|---|",
+    ]
+    runs: list[list[NodeLayout]] = []  # consecutive nodes with the same layout share a row
+    for n in nodes:
+        if runs and (runs[-1][0].trainers, runs[-1][0].engines) == (n.trainers, n.engines):
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    for run in runs:
+        n = run[0]
+        name = f"{n.node}" if len(run) == 1 else f"{n.node}-{run[-1].node}"
+        lines.append(
+            f"| {name} | {n.trainers} | {n.engines} (x{cfg.inference.tensor_parallel_size}) | "
+            f"{n.gpus_needed} of {pl.gpus_per_node} |"
+        )
+        if n.gpus_needed > pl.gpus_per_node:
+            problems.append(f"node(s) {name} need {n.gpus_needed} GPUs and have {pl.gpus_per_node}")
+    lines.append("")
+    ac = cfg.trainer.activation_checkpointing == "full"
+    plain, ckpt = trainer_memory(cfg, args, n_trainers, False), trainer_memory(cfg, args, n_trainers, True)
+    chosen = ckpt if ac else plain
+    lines += [
+        f"trainer GPU (FSDP2 over {n_trainers} ranks; trainer.activation_checkpointing = "
+        f"{cfg.trainer.activation_checkpointing!r}):",
+        "",
+        "| item | GiB |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {v / GIB:.2f} |" for k, v in chosen.items()]
+    lines.append(f"| **total** | **{_total(chosen) / GIB:.2f}** of {pl.gpu_memory_gib:g} |")
+    other = "with" if not ac else "without"
+    lines.append(f"| (total {other} activation checkpointing) | {_total(ckpt if not ac else plain) / GIB:.2f} |")
+    if _total(chosen) > gpu:
+        problems.append(
+            f"a trainer GPU needs {_total(chosen) / GIB:.1f} GiB of {pl.gpu_memory_gib:g} (lower "
+            "trainer.micro_batch_tokens, set trainer.activation_checkpointing = 'full', or add trainer ranks)"
+        )
+    max_len = engine_max_model_len(cfg)
+    eng, kv_tokens, wanted = engine_memory(cfg, args, max_len)
+    lines += [
+        "",
+        f"engine GPU (vLLM, tensor_parallel_size {cfg.inference.tensor_parallel_size}, max_model_len {max_len}):",
+        "",
+        "| item | GiB |",
+        "|---|---|",
+    ]
+    lines += [f"| {k} | {v / GIB:.2f} |" for k, v in eng.items()]
+    lines.append(f"| **total** | **{_total(eng) / GIB:.2f}** of {pl.gpu_memory_gib:g} |")
+    lines.append(
+        f"| KV-cache tokens that fit | {kv_tokens} ({kv_tokens / max(wanted, 1):.2f}x the {wanted} that "
+        f"max_num_seqs {cfg.inference.max_num_seqs} x max_model_len {max_len} can ask for) |"
+    )
+    if _total(eng) > gpu:
+        problems.append(
+            f"an engine GPU needs {_total(eng) / GIB:.1f} GiB of {pl.gpu_memory_gib:g} (the weight sync's receive "
+            "buffers sit beside vLLM's budget: lower inference.gpu_memory_utilization)"
+        )
+    if kv_tokens < max_len:
+        problems.append(f"an engine's KV cache holds {kv_tokens} tokens, less than one sequence of {max_len}")
+    lines.append("")
+    lines.append("fits" if not problems else "does NOT fit:\n  - " + "\n  - ".join(problems))
+    return "\n".join(lines), problems

@@ -1,0 +1,68 @@
+"""Which checkpoint a (re)started job resumes from: the newest intact one; an unfinished save (no meta.json) or a
+damaged one (a file missing or truncated) is skipped with a reason; metrics after the resumed step are dropped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelinerl_fsdp.checkpoint import damage, newest_intact, resume_point
+from pipelinerl_fsdp.config import ConfigError, load_config
+from pipelinerl_fsdp.metrics import MetricsLogger
+
+
+def fake_checkpoint(folder: Path, step: int, complete: bool = True) -> Path:
+    path = folder / f"step-{step:07d}"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"m" * 10)
+    (path / "__0_0.distcp").write_bytes(b"x" * 100)
+    if complete:
+        files = {".metadata": 10, "__0_0.distcp": 100}
+        (path / "meta.json").write_text(json.dumps({"step": step, "files": files}))
+    return path
+
+
+def test_newest_intact_skips_unfinished_and_damaged(tmp_path):
+    fake_checkpoint(tmp_path, 4)
+    truncated = fake_checkpoint(tmp_path, 8)
+    (truncated / "__0_0.distcp").write_bytes(b"x" * 60)
+    fake_checkpoint(tmp_path, 12, complete=False)  # killed while saving
+    path, skipped = newest_intact(tmp_path)
+    assert path == tmp_path / "step-0000004"
+    assert "step-0000012 skipped: incomplete" in skipped[0]
+    assert "step-0000008 skipped: __0_0.distcp has 60 bytes, 100 expected" in skipped[1]
+    (tmp_path / "step-0000004" / ".metadata").unlink()
+    assert damage(tmp_path / "step-0000004") == ".metadata missing"
+    assert newest_intact(tmp_path)[0] is None
+
+
+def test_resume_modes(tmp_path):
+    base = ["--config", "arithmetic", f"--checkpoint.folder={tmp_path}"]
+    assert resume_point(load_config(base)) == (None, [])  # auto, nothing there: a fresh start
+    with pytest.raises(ConfigError, match="checkpoint.resume = 'required' but .* holds no intact checkpoint"):
+        resume_point(load_config([*base, "--checkpoint.resume=required"]))
+    fake_checkpoint(tmp_path, 4)
+    fake_checkpoint(tmp_path, 8)
+    assert resume_point(load_config(base))[0] == tmp_path / "step-0000008"
+    assert resume_point(load_config([*base, "--checkpoint.resume=off"]))[0] is None
+    chosen = resume_point(load_config([*base, f"--checkpoint.resume_from={tmp_path}/step-0000004"]))
+    assert chosen[0] == tmp_path / "step-0000004"
+    with pytest.raises(ConfigError, match="checkpoint.resume_from = .*step-0000009.*: no such folder"):
+        resume_point(load_config([*base, f"--checkpoint.resume_from={tmp_path}/step-0000009"]))
+
+
+def test_a_resumed_logger_drops_the_failed_attempts_later_steps(tmp_path):
+    log = MetricsLogger(tmp_path, tensorboard=False, total_steps=10)
+    for step in range(1, 7):
+        log.log(step, {"x": step}, console=False)
+    log.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "x"')  # the line the killed process was writing
+    log = MetricsLogger(tmp_path, tensorboard=False, total_steps=10, resume_step=4)
+    for step in range(5, 7):
+        log.log(step, {"x": step}, console=False)
+    log.close()
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]

@@ -1,0 +1,79 @@
+"""`--job.stage=plan`: the layout as the job places ranks, memory items that react to the settings they name, the
+per-token activation count against what autograd really keeps for our block, and the verdict on math.toml."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipelinerl_fsdp.config import ConfigError, load_config
+from pipelinerl_fsdp.models import build_model, flavour_args
+from pipelinerl_fsdp.models.decoder import Documents, rope_cos_sin
+from pipelinerl_fsdp.plan import GIB, block_activation_elements, layout, make_plan, trainer_memory
+
+MATH_7B = ["--config", "math", "--job.stage=plan", "--model.flavour=qwen2.5-7b"]
+
+
+def test_math_toml_fits_80gb_and_would_not_without_checkpointing():
+    text, problems = make_plan(load_config(MATH_7B))
+    assert problems == [], text
+    assert "| 0-9 | 8 | 0 (x1) | 8 of 8 |" in text and "| 10-15 | 0 | 8 (x1) | 8 of 8 |" in text
+    _, problems = make_plan(load_config([*MATH_7B, "--trainer.activation_checkpointing=off"]))
+    assert any("a trainer GPU needs" in p for p in problems)
+    _, problems = make_plan(load_config([*MATH_7B, "--inference.gpu_memory_utilization=0.9"]))
+    assert any("an engine GPU needs" in p for p in problems)
+
+
+def test_mixed_nodes_and_tensor_parallel_engines_are_placed_or_refused():
+    base = ["--config", "math", "--job.stage=plan", "--model.flavour=qwen2.5-0.5b", "--plan.nodes=2"]
+    cfg = load_config([*base, "--plan.gpus_per_node=4", "--world.inference_ranks=3"])
+    assert [(n.trainers, n.engines, n.gpus_needed) for n in layout(cfg)] == [(4, 0, 4), (1, 3, 4)]
+    cfg = load_config([*base, "--plan.gpus_per_node=8", "--plan.procs_per_node=4", "--world.inference_ranks=3"])
+    cfg.inference.tensor_parallel_size = 2
+    assert [n.gpus_needed for n in layout(cfg)] == [4, 7]
+    cfg = load_config([*base, "--plan.gpus_per_node=4", "--world.inference_ranks=3"])
+    cfg.inference.tensor_parallel_size = 2
+    _, problems = make_plan(cfg)
+    assert problems and "node(s) 1 need 7 GPUs and have 4" in problems[0]
+    with pytest.raises(ConfigError, match="world.inference_ranks = 8 must be in"):
+        layout(load_config([*base, "--plan.gpus_per_node=4", "--world.inference_ranks=8"]))
+
+
+def test_memory_items_follow_their_settings():
+    cfg = load_config(MATH_7B)
+    args = flavour_args("qwen2.5-7b")
+    base = trainer_memory(cfg, args, 80, checkpointing=True)
+    cfg.trainer.defer_grad_sync = True
+    deferred = trainer_memory(cfg, args, 80, checkpointing=True)
+    assert deferred["unsharded gradients (defer_grad_sync)"] / GIB == pytest.approx(4 * 7.6156e9 / GIB, rel=1e-3)
+    assert base["unsharded gradients (defer_grad_sync)"] == 0
+    more_ranks = trainer_memory(cfg, args, 160, checkpointing=True)
+    assert more_ranks["AdamW state (fp32 shard)"] == pytest.approx(base["AdamW state (fp32 shard)"] / 2)
+
+
+def _kept_bytes_per_token(args, tokens: int) -> float:
+    """Bytes autograd keeps per token for one block's activations (weights left out, shared storage once)."""
+    model = build_model(args, seed=0)
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights and t.dtype.is_floating_point:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    pos = torch.arange(tokens)[None]
+    h = torch.randn(1, tokens, args.hidden_size, requires_grad=True)
+    cos, sin = rope_cos_sin(args, pos, h.dtype)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.model.layers[0](h, cos, sin, Documents.from_positions(pos))
+    return sum(kept.values()) / tokens
+
+
+@pytest.mark.parametrize("shape", [{}, {"hidden_size": 256, "intermediate_size": 1024, "num_attention_heads": 8}])
+def test_activation_count_matches_what_autograd_keeps(shape):
+    args = flavour_args("debug", vocab_size=64, **shape)
+    measured = _kept_bytes_per_token(args, 512)
+    planned = block_activation_elements(args) * 4  # fp32 on CPU
+    assert planned == pytest.approx(measured, rel=0.15), (planned, measured)
