@@ -38,7 +38,7 @@ def run_engine(engine, prompts: list[list[int]], max_tokens: int, first_id: int)
     return sum(len(r.tokens) for r in reqs), time.perf_counter() - t0
 
 
-def bench(name: str, n_prompts: int, max_tokens: int, threads: int, work: Path) -> list[dict]:
+def bench(name: str, n_prompts: int, max_tokens: int, threads: int, work: Path, gpu: bool = False) -> list[dict]:
     from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine
 
     tok = build_char_tokenizer(ALPHABET)
@@ -54,7 +54,8 @@ def bench(name: str, n_prompts: int, max_tokens: int, threads: int, work: Path) 
     rows = []
     for kind in ("reference", "vllm"):
         if kind == "reference":
-            engine = ReferenceEngine(model, n_prompts, max_len, eos_ids=[], temperature=1.0, seed=0)
+            ref_model = model.to("cuda", torch.bfloat16) if gpu else model
+            engine = ReferenceEngine(ref_model, n_prompts, max_len, eos_ids=[], temperature=1.0, seed=0)
         else:
             engine = VLLMEngine(
                 folder,
@@ -63,8 +64,8 @@ def bench(name: str, n_prompts: int, max_tokens: int, threads: int, work: Path) 
                 temperature=1.0,
                 top_p=1.0,
                 seed=0,
-                dtype="float32",
-                placement=VLLMPlacement(cpu_cores=cores, gpu_ids=None),
+                dtype="bfloat16" if gpu else "float32",
+                placement=VLLMPlacement(cpu_cores=None, gpu_ids=[0]) if gpu else VLLMPlacement(cores, None),
                 kv_cache_gib=1,
                 ignore_eos=True,
             )
@@ -91,10 +92,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default="benchmarks/results/engines.json")
+    ap.add_argument("--gpu", action="store_true", help="both engines on GPU 0 in bf16")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [r for f in a.flavours.split(",") for r in bench(f, a.prompts, a.max_tokens, a.threads, Path(tmp))]
+        rows = [
+            r for f in a.flavours.split(",") for r in bench(f, a.prompts, a.max_tokens, a.threads, Path(tmp), a.gpu)
+        ]
     cols = ["model", "params_m", "engine", "tokens", "seconds", "tokens_per_s"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

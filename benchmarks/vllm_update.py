@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.inference.engine import Request
-from pipelinerl_fsdp.inference.placement import vllm_placement
+from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement
 from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine
 from pipelinerl_fsdp.models import FLAVOURS, build_model, flavour_args, save_hf_folder
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
@@ -45,13 +45,16 @@ def memcpy_ms(nbytes: int) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | None:
+def bench(name: str, n_updates: int, work: Path, world, cfg: Config, gpu: bool = False) -> dict | None:
     tok = build_char_tokenizer(ALPHABET)
     # the flavour's body with the character vocabulary ("small": 75.6M parameters then)
     args = flavour_args(name, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = build_model(args, seed=0).eval()
     layout = [(n, p.shape) for n, p in model.named_parameters()]
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # --gpu: the engine on GPU 0 in bf16 (the weights travel in bf16); the buckets still go over gloo, since one GPU
+    # cannot hold both ends of an NCCL group
+    wire = torch.bfloat16 if gpu else torch.float32
+    nbytes = sum(p.numel() for p in model.parameters()) * (2 if gpu else 4)
     folder = work / name
     if world.rank == 0:
         save_hf_folder(folder, args, model.state_dict())
@@ -59,7 +62,7 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | N
     dist.barrier()
     if world.rank == 0:
         group = join_store_group(*store_address(), f"bench_{name}", 0, 2, "gloo", torch.device("cpu"), 600)
-        sender = WeightSender(model, world.weight_group, 0, True, torch.float32, torch.device("cpu"), BUCKET, group)
+        sender = WeightSender(model, world.weight_group, 0, True, wire, torch.device("cpu"), BUCKET, group)
         for v in range(1, n_updates + 1):
             dist.barrier()  # the engine is generating
             sender.push(v)
@@ -72,12 +75,12 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | N
         temperature=1.0,
         top_p=1.0,
         seed=0,
-        dtype="float32",
-        placement=vllm_placement(cfg, world),
+        dtype="bfloat16" if gpu else "float32",
+        placement=VLLMPlacement(cpu_cores=None, gpu_ids=[0]) if gpu else vllm_placement(cfg, world),
         kv_cache_gib=1,
         ignore_eos=True,
     )
-    receiver = WeightReceiver(layout, world.weight_group, 0, torch.float32, torch.device("cpu"), BUCKET)
+    receiver = WeightReceiver(layout, world.weight_group, 0, wire, torch.device("cpu"), BUCKET)
     engine.join_weight_group(
         *store_address(),
         1,
@@ -85,7 +88,7 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config) -> dict | N
         "gloo",
         600,
         [(n, list(s)) for n, s in layout],
-        "float32",
+        str(wire).removeprefix("torch."),
         BUCKET,
         group_name=f"bench_{name}",
     )
@@ -134,6 +137,7 @@ def main() -> None:
     p.add_argument("--flavour", choices=sorted(FLAVOURS), default="debug")
     p.add_argument("--updates", type=int, default=5)
     p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/vllm_update_<flavour>.json")
+    p.add_argument("--gpu", action="store_true", help="the engine on GPU 0 in bf16 (scripts/gpu_check.sh)")
     a = p.parse_args()
     cfg = Config()
     cfg.job.stage, cfg.inference.engine, cfg.world.inference_ranks = "rl", "vllm", 1
@@ -143,7 +147,7 @@ def main() -> None:
         work = Path(tmp)
         obj = [str(work)]
         dist.broadcast_object_list(obj, src=0)  # one folder for both ranks
-        row = bench(a.flavour, a.updates, Path(obj[0]), world, cfg)
+        row = bench(a.flavour, a.updates, Path(obj[0]), world, cfg, a.gpu)
         if row:
             rows.append(row)
     if world.rank == 1:

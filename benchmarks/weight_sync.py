@@ -24,7 +24,7 @@ import torch.distributed as dist
 from pipelinerl_fsdp.config import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.parallelize import apply_fsdp
-from pipelinerl_fsdp.transport.weights import WeightReceiver, WeightSender
+from pipelinerl_fsdp.transport.weights import IN_FLIGHT, BucketLayout, WeightReceiver, WeightSender
 from pipelinerl_fsdp.world import init_world
 
 
@@ -40,9 +40,11 @@ def bench(flavour: str, repeats: int, world, bucket_mb: int, plain_group) -> dic
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     group, src = world.weight_group, world.trainer_ranks[0]
     res: dict[str, list[float]] = {"gather": [], "push": [], "pause": [], "plain_bcast": [], "memcpy": []}
+    send_buffers = 0
     if world.is_trainer:
         apply_fsdp(model, world.trainer_mesh, dtype, dtype)
         sender = WeightSender(model, group, src, world.is_main, dtype, dev, bucket_mb * 1024**2)
+        send_buffers = sum(b.numel() * b.element_size() for b in sender._flat)
         flat = torch.randn(nbytes // 4, device=dev)
         for v in range(repeats + 1):
             dist.barrier()
@@ -85,7 +87,12 @@ def bench(flavour: str, repeats: int, world, bucket_mb: int, plain_group) -> dic
     mine = torch.tensor([median_ms(res[k]) if res[k] else 0.0 for k in res], dtype=torch.float64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
     row = dict(zip([f"{k}_ms" for k in res], mine.tolist()))
+    shapes = [(n, p.shape) for n, p in model.named_parameters()]
+    sizes = BucketLayout(shapes, dtype, bucket_mb * 1024**2).sizes
     row.update(
+        # extra memory of the sync: the sender's send buffers; a vLLM worker's receive buffers (the same bound)
+        sender_buffers_mb=round(send_buffers / 1e6, 1),
+        worker_buffers_mb=round(min(IN_FLIGHT, len(sizes)) * max(sizes) * 4 / 1e6, 1),
         flavour=flavour,
         params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
         mbytes=round(nbytes / 1e6, 1),
@@ -119,6 +126,8 @@ def main() -> None:
             "memcpy_ms",
             "pause_over_plain",
             "pause_mb_per_s",
+            "sender_buffers_mb",
+            "worker_buffers_mb",
         ]
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))

@@ -15,12 +15,13 @@ trainer (FSDP2 over all trainer ranks): fp32 parameter, gradient and AdamW shard
   counted from the code as 7H + 2KV + heads + 4I + 2 head_dim + 2 elements (H hidden, I MLP, KV the key/value
   width; `tests/unit/test_plan.py` checks it against what autograd keeps), or, with activation checkpointing,
   each checkpointed block's input (H) plus one block recomputed during the backward pass; the log-prob chunks
-  (three chunk x vocab fp32 buffers) and the final hidden states; the weight sync as implemented (one bucket
-  gathered in fp32 on every trainer rank, a send buffer of the whole model in the engine dtype on the first).
+  (three chunk x vocab fp32 buffers) and the final hidden states; the weight sync (one bucket gathered in the engine
+  dtype on every trainer rank, two send buffers of a bucket on the first; a bucket is `world.weight_bucket_mb`,
+  at least one decoder block).
 engine (vLLM): `gpu_memory_utilization` of the GPU for weights, activations and KV cache (activations and CUDA
-  graphs are taken as 2 GiB: vLLM's profile decides the exact number at start-up), the receive buffers of the
-  weight sync (the whole model in the engine dtype per tensor-parallel shard) on top of it, and how many KV-cache
-  tokens fit next to the weights, against `max_num_seqs` x `max_model_len`.
+  graphs are taken as 2 GiB: vLLM's profile decides the exact number at start-up); on top of it the weight sync's
+  two receive buffers of a bucket and a copy of the vocabulary layers (embeddings, head) during an update; and how
+  many KV-cache tokens fit next to the weights, against `max_num_seqs` x `max_model_len`.
 Every GPU also loses ~1.5 GiB to the CUDA context and the allocator. The plan fails when a GPU's total exceeds its
 memory, when an engine cannot hold one full-length sequence, or when a node has fewer GPUs than its ranks need.
 """
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from pipelinerl_fsdp.config import Config, ConfigError
 from pipelinerl_fsdp.models.args import ModelArgs, flavour_args
+from pipelinerl_fsdp.transport.weights import IN_FLIGHT
 
 GIB = 1 << 30
 CUDA_CONTEXT_GIB = 1.5
@@ -99,6 +101,7 @@ def trainer_memory(cfg: Config, args: ModelArgs, n_trainers: int, checkpointing:
     rbytes = DTYPE_BYTES[tr.reduce_dtype]
     ebytes = 2 if cfg.inference.dtype == "auto" else DTYPE_BYTES[cfg.inference.dtype]
     t = tr.micro_batch_tokens
+    bucket = max(cfg.world.weight_bucket_mb * (1 << 20), block * ebytes)  # a bucket holds at least one block
     act = block_activation_elements(args) * pbytes
     if checkpointing:
         every = tr.ac_every
@@ -116,8 +119,8 @@ def trainer_memory(cfg: Config, args: ModelArgs, n_trainers: int, checkpointing:
         "unsharded gradients (defer_grad_sync)": 4 * p if tr.defer_grad_sync else 0.0,
         f"activations ({t} tokens, {'checkpointed' if checkpointing else 'no checkpointing'})": activations,
         "log-prob chunks + final hidden": 3 * tr.logprob_chunk_size * v * 4 + t * h * 4,
-        "weight sync: gathered bucket (fp32)": min(cfg.world.weight_bucket_mb * (1 << 20), 4 * p),
-        "weight sync: send buffers (first trainer)": p * ebytes,
+        "weight sync: gathered bucket (engine dtype)": min(bucket, p * ebytes),
+        "weight sync: send buffers (first trainer)": min(IN_FLIGHT * bucket, p * ebytes),
         "CUDA context, allocator": CUDA_CONTEXT_GIB * GIB,
     }
     return out
@@ -130,6 +133,9 @@ def engine_memory(cfg: Config, args: ModelArgs, max_model_len: int) -> tuple[dic
     gpu = cfg.plan.gpu_memory_gib * GIB
     ebytes = 2 if inf.dtype == "auto" else DTYPE_BYTES[inf.dtype]
     p = args.num_params()
+    h, v, layers = args.hidden_size, args.vocab_size, args.num_hidden_layers
+    root = v * h * (1 if args.tie_word_embeddings else 2) + h
+    bucket = max(cfg.world.weight_bucket_mb * (1 << 20), (p - root) / layers * ebytes)
     weights = p * ebytes / tp
     hd = args.head_dim or args.hidden_size // args.num_attention_heads
     kv_per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * hd * ebytes / tp
@@ -140,7 +146,8 @@ def engine_memory(cfg: Config, args: ModelArgs, max_model_len: int) -> tuple[dic
         "  of which weights": weights,
         "  of which activations, CUDA graphs (est.)": VLLM_ACTIVATIONS_GIB * GIB,
         "  of which KV cache": kv,
-        "weight sync: receive buffers": p * ebytes / tp,
+        "weight sync: receive buffers (2 buckets) + vocabulary copies": min(IN_FLIGHT * bucket, p * ebytes)
+        + root * ebytes,
         "CUDA context, allocator": CUDA_CONTEXT_GIB * GIB,
     }
     return items, int(kv // kv_per_token), inf.max_num_seqs * max_model_len
@@ -230,7 +237,7 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
     if _total(eng) > gpu:
         problems.append(
             f"an engine GPU needs {_total(eng) / GIB:.1f} GiB of {pl.gpu_memory_gib:g} (the weight sync's receive "
-            "buffers sit beside vLLM's budget: lower inference.gpu_memory_utilization)"
+            "buffers sit beside vLLM's budget: lower inference.gpu_memory_utilization or world.weight_bucket_mb)"
         )
     if kv_tokens < max_len:
         problems.append(f"an engine's KV cache holds {kv_tokens} tokens, less than one sequence of {max_len}")

@@ -4,11 +4,13 @@ built by one function so that both stages shard, cast and optimise the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from pipelinerl_fsdp.config import OptimizerConfig, TrainerConfig
 from pipelinerl_fsdp.models import Transformer
+from pipelinerl_fsdp.models.hf_io import load_shards_into, read_model_args
 from pipelinerl_fsdp.optim import build_optimizer
 from pipelinerl_fsdp.parallelize import (
     DTYPES,
@@ -37,26 +39,37 @@ class Policy:
         return clip_and_step(self.model, self.optimizer, self.scheduler, self.grad_clip)
 
 
-def shard(model: Transformer, world: World, trainer: TrainerConfig) -> Transformer:
-    """FSDP2 over the trainer ranks with the configured mixed precision (the model on this rank's device)."""
-    model = model.to(world.device)
+def _parallelize(model: Transformer, world: World, trainer: TrainerConfig) -> Transformer:
     assert world.trainer_mesh is not None, "only trainer ranks shard the policy"
     param_dtype = resolve_param_dtype(trainer.param_dtype, world.device)
     apply_activation_checkpointing(model, trainer.activation_checkpointing, trainer.ac_every)
-    apply_fsdp(
+    return apply_fsdp(
         model,
         world.trainer_mesh,
         param_dtype,
         DTYPES[trainer.reduce_dtype],
         resolve_fp32_head(trainer.fp32_head, param_dtype),
     )
+
+
+def shard(model: Transformer, world: World, trainer: TrainerConfig) -> Transformer:
+    """FSDP2 over the trainer ranks with the configured mixed precision (the model on this rank's device)."""
+    return _parallelize(model.to(world.device), world, trainer)
+
+
+def load_sharded(folder: str | Path, world: World, trainer: TrainerConfig) -> Transformer:
+    """The model of an HF folder, built on the meta device, sharded, then filled shard by shard from the files:
+    each rank allocates and reads only its own shard of every parameter (a 7B model never sits whole in any
+    rank's memory, host or GPU)."""
+    with torch.device("meta"):
+        model = Transformer(read_model_args(folder))
+    _parallelize(model, world, trainer)
+    model.to_empty(device=world.device)
+    load_shards_into(model, folder)
     return model
 
 
-def build_policy(
-    model: Transformer, world: World, trainer: TrainerConfig, opt: OptimizerConfig, total_steps: int
-) -> Policy:
-    """Shard `model` and attach AdamW + schedule over `total_steps` optimizer steps."""
-    model = shard(model, world, trainer)
+def build_policy(model: Transformer, opt: OptimizerConfig, total_steps: int) -> Policy:
+    """AdamW + schedule over `total_steps` optimizer steps for a model sharded by `shard` or `load_sharded`."""
     optimizer, scheduler = build_optimizer(model.parameters(), opt, total_steps)
     return Policy(model, optimizer, scheduler, opt.grad_clip)

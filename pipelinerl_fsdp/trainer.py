@@ -24,9 +24,9 @@ from pipelinerl_fsdp.faults import maybe_fail, nan_loss_at
 from pipelinerl_fsdp.inference.factory import engine_kind
 from pipelinerl_fsdp.inference.placement import engine_dtype
 from pipelinerl_fsdp.metrics import MetricsLogger, rl_console
-from pipelinerl_fsdp.models import load_hf_model, save_hf_folder
+from pipelinerl_fsdp.models import save_hf_folder
 from pipelinerl_fsdp.parallelize import full_state_dict
-from pipelinerl_fsdp.policy import build_policy, shard
+from pipelinerl_fsdp.policy import build_policy, load_sharded
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
 from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics
@@ -34,7 +34,7 @@ from pipelinerl_fsdp.rollout_log import RolloutLog, as_text
 from pipelinerl_fsdp.tasks import make_task
 from pipelinerl_fsdp.tokenizer import load_tokenizer
 from pipelinerl_fsdp.train_step import add_reference_logprobs, forward_backward, sum_over_ranks
-from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, Sample
+from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, Sample, scatter_samples
 from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import PushStats, WeightSender
 from pipelinerl_fsdp.world import World
@@ -49,10 +49,10 @@ class RLTrainer:
     ) -> None:
         self.cfg, self.world, self.model_path = cfg, world, model_path
         rl, device = cfg.rl, world.device
-        self.policy = build_policy(load_hf_model(model_path), world, cfg.trainer, cfg.trainer.optimizer, rl.max_steps)
+        self.policy = build_policy(load_sharded(model_path, world, cfg.trainer), cfg.trainer.optimizer, rl.max_steps)
         self.ref_model = None
         if rl.kl_coef > 0:  # the frozen initial policy, sharded like the trained one
-            self.ref_model = shard(load_hf_model(model_path).requires_grad_(False), world, cfg.trainer)
+            self.ref_model = load_sharded(model_path, world, cfg.trainer).requires_grad_(False)
         bucket_group = None
         if world.is_main and engine_kind(cfg).own_processes:  # the engine's workers receive the buckets themselves
             bucket_group = join_store_group(
@@ -128,16 +128,14 @@ class RLTrainer:
             print(f"[rl] resumed from {path} at step {self.start_step}, version {self.version}", flush=True)
 
     def _my_share(self) -> list[Sample]:
-        """This rank's samples of the next batch (the collector assembles it, then splits it by tokens)."""
-        info: list[object] = [None]
+        """This rank's samples of the next batch: the collector (first trainer rank) assembles it, splits it by
+        tokens and sends every trainer rank its share as tensors."""
+        parts = None
         if self.collector is not None:
             batch = self.collector.next_batch(self.version, self.cfg.world.timeout_s)
-            info = [split_balanced(batch, len(self.world.trainer_ranks))]
-        dist.broadcast_object_list(info, src=self.world.trainer_ranks[0], group=self.world.trainer_group)
-        parts = info[0]
-        assert isinstance(parts, list)
-        self._batch = [s for part in parts for s in part]
-        return parts[self.world.trainer_rank]
+            parts = split_balanced(batch, len(self.world.trainer_ranks))
+            self._batch = [s for part in parts for s in part]  # for the metrics and rollout logs (this rank only)
+        return scatter_samples(parts, self.world.trainer_group, 0, self.world.trainer_rank)
 
     def _loss_fn(
         self, logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor]

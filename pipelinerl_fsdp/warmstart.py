@@ -20,7 +20,7 @@ from pipelinerl_fsdp.evaluation import greedy_accuracy
 from pipelinerl_fsdp.metrics import WARMSTART_CONSOLE, MetricsLogger
 from pipelinerl_fsdp.models import Transformer, build_model, flavour_args, load_hf_model, save_hf_folder
 from pipelinerl_fsdp.parallelize import full_state_dict
-from pipelinerl_fsdp.policy import build_policy
+from pipelinerl_fsdp.policy import build_policy, shard
 from pipelinerl_fsdp.preflight import check_sequence_budget, check_vocab, stop_token_ids
 from pipelinerl_fsdp.rl.packing import collate_packed, pack_into_bins
 from pipelinerl_fsdp.tasks import Problem, ProblemStream, Task, make_task
@@ -105,7 +105,7 @@ def run_warmstart(cfg: Config, world: World) -> Path:
     stops = stop_token_ids(cfg.model.path, tokenizer) if cfg.model.path else [tokenizer.eos_token_id]
     eval_model = build_model(args, device=device, dtype=torch.float32)
     ws = cfg.warmstart
-    policy = build_policy(model, world, cfg.trainer, ws.optimizer, ws.steps)
+    policy = build_policy(shard(model, world, cfg.trainer), ws.optimizer, ws.steps)
     model = policy.model
     stream = ProblemStream(task, seed=cfg.job.seed, offset=dp_rank, stride=n_ranks)
     per_rank = ws.batch_size // n_ranks

@@ -11,12 +11,13 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
 from pipelinerl_fsdp.transport.store_group import join_store_group
-from pipelinerl_fsdp.transport.weights import BucketLayout, broadcast_bucket
+from pipelinerl_fsdp.transport.weights import IN_FLIGHT, BucketLayout, broadcast_bucket, in_decoder_layer
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -72,8 +73,15 @@ class WeightUpdateExtension:
         self._pl_layout = BucketLayout(
             [(n, torch.Size(s)) for n, s in names_and_shapes], getattr(torch, dtype), bucket_bytes
         )
-        # Persistent receive buffers, one per bucket: vLLM's loader copies out of them during the reload.
-        self._pl_buffers = [torch.empty(n, dtype=self._pl_layout.dtype, device=device) for n in self._pl_layout.sizes]
+        # Streaming: IN_FLIGHT receive buffers of the largest bucket, reused round robin while vLLM's loader copies
+        # each bucket into the model (buckets hold whole layers, so a layer's tensors are consumed before its
+        # buffer is reused). Allocated now, before the first update, at a bounded size.
+        n_buf = min(IN_FLIGHT, len(self._pl_layout.sizes))
+        self._pl_buffers = [
+            torch.empty(max(self._pl_layout.sizes), dtype=self._pl_layout.dtype, device=device) for _ in range(n_buf)
+        ]
+        self._pl_staged: list[torch.Tensor] = []  # async mode only: a whole update kept until it is loaded
+        self._pl_device = device
         logging.getLogger(RELOAD_LOGGER).addFilter(_drop_rotary_reload_warning)
         rank = base_rank + int(getattr(self, "rank", 0))
         self._pl_group = join_store_group(host, port, group_name, rank, size, backend, device, timeout_s)
@@ -87,20 +95,42 @@ class WeightUpdateExtension:
         threading.Thread(target=_watch_rank, args=(rank_pid, core_pid, period_s), daemon=True).start()
 
     def receive_weight_update(self, load: bool = True) -> dict[str, int]:
-        """Receive one update into the receive buffers and (unless `load` is false: see `load_received_weights`)
-        load it. Returns, per scheduled request (vLLM's internal id), how many output tokens it had *before* the
-        load: the exact version boundary, since no engine step runs during this call."""
-        for flat in self._pl_buffers:
-            broadcast_bucket(flat, self._pl_group, 0, raw=True)
-        return self.load_received_weights() if load else {}
+        """Receive one update and load it bucket by bucket as it arrives, or (`load` false, async mode: see
+        `load_received_weights`) keep it whole for later. Returns, per scheduled request (vLLM's internal id), how
+        many output tokens it had *before* the load: the exact version boundary, since no engine step runs during
+        this call."""
+        if not load:
+            layout = self._pl_layout
+            if not self._pl_staged:
+                self._pl_staged = [torch.empty(n, dtype=layout.dtype, device=self._pl_device) for n in layout.sizes]
+            for flat in self._pl_staged:
+                broadcast_bucket(flat, self._pl_group, 0, raw=True)
+            return {}
+        return self._load(self._streamed())
 
     def load_received_weights(self) -> dict[str, int]:
-        """Load the last received update (per-request token counts before the load, as above)."""
+        """Load the update kept by `receive_weight_update(load=False)` (token counts as above)."""
+        layout = self._pl_layout
+        return self._load(v for b, flat in enumerate(self._pl_staged) for v in layout.views(b, flat))
+
+    def _streamed(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) of every parameter, each bucket received into the next free buffer when the loader
+        asks for its first tensor."""
+        layout = self._pl_layout
+        for b, size in enumerate(layout.sizes):
+            flat = self._pl_buffers[b % len(self._pl_buffers)][:size]
+            broadcast_bucket(flat, self._pl_group, 0, raw=True)
+            for name, view in layout.views(b, flat):
+                # vLLM processes a module once all of its elements are loaded; the vocabulary layers (embeddings,
+                # head: padded to a multiple of 64 rows) never reach that count and are processed at the very end,
+                # by which time their buffer holds another bucket: those get a copy of their own
+                yield name, (view if in_decoder_layer(name) else view.clone())
+
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
         counts = {
             rid: sum(1 for t in state.output_token_ids if t >= 0)  # -1: async-scheduling placeholder
             for rid, state in self.model_runner.requests.items()
         }
-        named = [v for b, flat in enumerate(self._pl_buffers) for v in self._pl_layout.views(b, flat)]
         # checkpoint format: HF names and shapes; vLLM fuses q/k/v and gate/up and repacks CPU weights itself.
-        self.model_runner.reload_weights(weights_iterator=named, is_checkpoint_format=True)
+        self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
         return counts

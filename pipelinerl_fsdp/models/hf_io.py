@@ -51,6 +51,23 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _check_names(folder: str | Path, model: Transformer, stored: set[str]) -> set[str]:
+    """The parameter names to load (the tied head is the embedding); a mismatch with the files is an error."""
+    tied = model.args.tie_word_embeddings
+    expected = {k for k in model.state_dict() if not (tied and k == "lm_head.weight")}
+    if tied:
+        stored = stored - {"lm_head.weight"}
+    missing, unexpected = expected - stored, stored - expected
+    # Some exporters store rotary inv_freq buffers; they are derived from the config, never weights.
+    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
+    if missing or unexpected:
+        raise ValueError(
+            f"{folder}: checkpoint does not match config.json: missing {sorted(missing)[:8]}, "
+            f"unexpected {sorted(unexpected)[:8]}"
+        )
+    return expected
+
+
 def load_hf_model(
     folder: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> Transformer:
@@ -59,17 +76,7 @@ def load_hf_model(
     with torch.device("meta"):
         model = Transformer(args)
     sd = read_state_dict(folder)
-    if args.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (args.tie_word_embeddings and k == "lm_head.weight")}
-    missing, unexpected = expected - sd.keys(), sd.keys() - expected
-    # Some exporters store rotary inv_freq buffers; they are derived from the config, never weights.
-    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
-    if missing or unexpected:
-        raise ValueError(
-            f"{folder}: checkpoint does not match config.json: missing {sorted(missing)[:8]}, "
-            f"unexpected {sorted(unexpected)[:8]}"
-        )
+    expected = _check_names(folder, model, set(sd))
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items() if k in expected}, strict=False, assign=True)
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -119,3 +126,40 @@ def save_hf_folder(
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(folder / "config.json", "w") as f:
         json.dump(args.to_hf_config(_DTYPE_NAMES.get(stored_dtype, "float32")), f, indent=2)
+
+
+def load_shards_into(model: Transformer, folder: str | Path) -> None:
+    """Fill a model whose parameters are FSDP2-sharded DTensors (materialised, e.g. with `to_empty`) from an HF
+    folder, each rank reading only its own rows of each tensor (`get_slice`): no rank reads, or holds, a tensor
+    it does not own, let alone the whole model. Plain tensors (no sharding) are read whole."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    folder = Path(folder)
+    where: dict[str, Path] = {}
+    for path in _shard_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            where.update({k: path for k in f.keys()})
+    names = _check_names(folder, model, set(where))
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = {}
+    for name in sorted(names):
+        by_file.setdefault(where[name], []).append(name)
+    with torch.no_grad():
+        for path, keys in by_file.items():
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in keys:
+                    p = params[name]
+                    stored = f.get_slice(name)
+                    if list(stored.get_shape()) != list(p.shape):
+                        raise ValueError(
+                            f"{path}: {name} has shape {stored.get_shape()}, config.json says {list(p.shape)}"
+                        )
+                    if isinstance(p, DTensor):
+                        local = p.to_local()
+                        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                        if local.numel():
+                            index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+                            local.copy_(stored[index].to(local.dtype))
+                    else:
+                        p.copy_(stored[:].to(p.dtype))

@@ -82,6 +82,34 @@ def decode_samples(n: int, ints: torch.Tensor, floats: torch.Tensor) -> list[Sam
     return out
 
 
+def scatter_samples(
+    parts: Sequence[Sequence[Sample]] | None, group: dist.ProcessGroup | None, src: int, me: int
+) -> list[Sample]:
+    """Each rank of `group` gets its own list of samples from rank `src` (group ranks), which holds `parts` (one
+    list per rank): a header and two flat tensors per rank, point to point, so no rank receives what it does not
+    train on and nothing is pickled."""
+    if me == src:
+        assert parts is not None
+        pending = []
+        for r, part in enumerate(parts):
+            if r == src:
+                continue
+            ints, floats = encode_samples(part)
+            header = torch.tensor([len(part), ints.numel(), floats.numel()], dtype=torch.long)
+            for t in (header, ints, floats):  # the tensors stay referenced until their sends complete
+                pending.append((t, dist.isend(t, group=group, group_dst=r)))
+        for _, work in pending:
+            work.wait()
+        return list(parts[src])
+    header = torch.empty(3, dtype=torch.long)
+    dist.recv(header, group=group, group_src=src)
+    n, n_ints, n_floats = header.tolist()
+    ints, floats = torch.empty(n_ints, dtype=torch.long), torch.empty(n_floats, dtype=torch.float32)
+    dist.recv(ints, group=group, group_src=src)
+    dist.recv(floats, group=group, group_src=src)
+    return decode_samples(n, ints, floats)
+
+
 class RolloutSender:
     """Inference side: a thread sends queued groups to `dst`; `put` applies backpressure when full."""
 

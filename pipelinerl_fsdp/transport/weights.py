@@ -25,7 +25,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 UPDATE, STOP = 1, 2
+# send buffers per sender (and receive buffers per vLLM worker): one bucket in flight while the next is gathered
+IN_FLIGHT = 2
 _LAYER = re.compile(r"^(model\.layers\.\d+)\.")
+
+
+def in_decoder_layer(name: str) -> bool:
+    """Whether parameter `name` belongs to a decoder layer (`model.layers.N.`): buckets never split those."""
+    return _LAYER.match(name) is not None
 
 
 def layer_buckets(names_and_numel: list[tuple[str, int]], element_size: int, bucket_bytes: int) -> list[list[int]]:
@@ -74,13 +81,20 @@ class BucketLayout:
         return out
 
 
-def broadcast_bucket(flat: torch.Tensor, group: dist.ProcessGroup | None, src: int, raw: bool) -> None:
-    """Broadcast one bucket; `raw`: `group` is a store-built group outside the default world (source = its rank 0)."""
+def broadcast_bucket(
+    flat: torch.Tensor, group: dist.ProcessGroup | None, src: int, raw: bool, wait: bool = True
+) -> dist.Work | None:
+    """Broadcast one bucket; `raw`: `group` is a store-built group outside the default world (source = its rank 0).
+    With `wait=False` returns the pending work (the buffer must not change until it completes)."""
     if raw:
         assert group is not None
-        group.broadcast([flat], dist.BroadcastOptions()).wait()  # default root rank 0
+        work = group.broadcast([flat], dist.BroadcastOptions())  # default root rank 0
     else:
-        dist.broadcast(flat, src, group=group)
+        work = dist.broadcast(flat, src, group=group, async_op=True)
+    if wait:
+        work.wait()
+        return None
+    return work
 
 
 @dataclass
@@ -116,13 +130,13 @@ class WeightSender:
         self.bucket_group = bucket_group
         sizes = [(n, p.numel()) for n, p in self.params]
         self.buckets = layer_buckets(sizes, torch.tensor([], dtype=dtype).element_size(), bucket_bytes)
-        # Persistent send buffers: a fresh multi-100-MB tensor per push cost more (allocation, page faults)
-        # than the broadcast itself (measured: benchmarks/weight_sync.py).
-        self._flat = (
-            [torch.empty(sum(sizes[i][1] for i in b), dtype=dtype, device=device) for b in self.buckets]
-            if is_src
-            else []
-        )
+        # Streaming: IN_FLIGHT send buffers of the largest bucket's size, reused round robin; a bucket is gathered
+        # (already cast to the engine dtype) while the previous one is still being broadcast. Persistent, because
+        # a fresh multi-100-MB tensor per push cost more (allocation, page faults) than the broadcast itself
+        # (measured: benchmarks/weight_sync.py); bounded, so that no rank ever holds a copy of the whole model.
+        self.sizes = [sum(sizes[i][1] for i in b) for b in self.buckets]
+        n_buf = min(IN_FLIGHT, len(self.buckets))
+        self._flat = [torch.empty(max(self.sizes), dtype=dtype, device=device) for _ in range(n_buf)] if is_src else []
 
     def _header(self, kind: int, version: int) -> None:
         if self.is_src:
@@ -133,31 +147,43 @@ class WeightSender:
     def push(self, version: int) -> PushStats:
         """Gather and broadcast all weights tagged with `version`.
 
-        The header goes out only once the first bucket is gathered, so engines pause for the transfer, not for
-        the trainers' all-gathers of that bucket."""
-        nbytes, t_gather, t_bcast = 0, 0.0, 0.0
+        Each bucket's shards are cast to the engine dtype before the all-gather (half the bytes for bf16), copied
+        into a send buffer and broadcast asynchronously, so the next bucket's gather overlaps this broadcast; at
+        most IN_FLIGHT buckets are in flight. The header goes out only once the first bucket is gathered, so
+        engines pause for the transfer, not for the trainers' all-gathers of that bucket."""
+        nbytes, t_gather, t_gather_first = 0, 0.0, 0.0
+        t_header = time.perf_counter()
+        works: list[dist.Work | None] = [None] * len(self._flat)
+        group, raw = (self.bucket_group, True) if self.bucket_group is not None else (self.group, False)
         for b, bucket in enumerate(self.buckets):
             t0 = time.perf_counter()
-            full = []
-            for i in bucket:
-                p = self.params[i][1]
-                full.append((p.full_tensor() if isinstance(p, DTensor) else p).detach())
-            t1 = time.perf_counter()
-            t_gather += t1 - t0
+            full = [self._gathered(self.params[i][1]) for i in bucket]
+            t_gather += time.perf_counter() - t0
             if b == 0:
                 self._header(UPDATE, version)
+                t_gather_first, t_header = t_gather, time.perf_counter()  # the engines' pause starts here
             if self.is_src:
-                flat, off = self._flat[b], 0
+                slot = b % len(self._flat)
+                if works[slot] is not None:
+                    works[slot].wait()  # the buffer's previous bucket has left
+                flat, off = self._flat[slot][: self.sizes[b]], 0
                 for t in full:
                     flat[off : off + t.numel()].copy_(t.reshape(-1))
                     off += t.numel()
-                if self.bucket_group is not None:
-                    broadcast_bucket(flat, self.bucket_group, 0, raw=True)
-                else:
-                    broadcast_bucket(flat, self.group, self.src, raw=False)
+                works[slot] = broadcast_bucket(flat, group, self.src, raw=raw, wait=False)
                 nbytes += flat.numel() * flat.element_size()
-                t_bcast += time.perf_counter() - t1
-        return PushStats(version, nbytes, t_gather, t_bcast)
+        for w in works:
+            if w is not None:
+                w.wait()
+        # broadcast time: from the header to the last bucket's arrival, less the gathers done meanwhile
+        t_bcast = time.perf_counter() - t_header - (t_gather - t_gather_first)
+        return PushStats(version, nbytes, t_gather, max(t_bcast, 0.0))
+
+    def _gathered(self, p: torch.Tensor) -> torch.Tensor:
+        """The full parameter in the engine dtype (cast on the local shard, before the all-gather)."""
+        if isinstance(p, DTensor):
+            return p.detach().to(self.dtype).full_tensor()
+        return p.detach().to(self.dtype)
 
     def stop(self) -> None:
         """Tell every receiver that no more updates will come."""
