@@ -7,11 +7,11 @@ import os
 import signal
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 
 from pipelinerl_fsdp.config import Config, ConfigError, load_config, save_resolved, validate_world
+from pipelinerl_fsdp.processes import descendants
 from pipelinerl_fsdp.world import World, init_world, job_flags, shutdown
 
 
@@ -51,7 +51,8 @@ def run_rl(cfg: Config, world: World) -> None:
 
 def preflight_rl(cfg: Config, model_path: str) -> str:
     """Every rank, before any engine starts: the job's one tokenizer, and the sequence budget and vocabulary
-    checked against it. Returns the tokenizer folder."""
+    checked against it; the checkpoint to resume from, if one is required. Returns the tokenizer folder."""
+    from pipelinerl_fsdp.checkpoint import resume_point
     from pipelinerl_fsdp.models import read_model_args
     from pipelinerl_fsdp.preflight import check_sequence_budget, check_vocab, tokenizer_folder
     from pipelinerl_fsdp.tasks import make_task
@@ -61,6 +62,7 @@ def preflight_rl(cfg: Config, model_path: str) -> str:
     tokenizer = load_tokenizer(folder)
     check_sequence_budget(cfg, make_task(cfg.task), tokenizer)
     check_vocab(cfg, read_model_args(model_path).vocab_size, tokenizer, f"model folder {model_path}")
+    resume_point(cfg)  # checkpoint.resume = "required" with nothing to resume, a bad resume_from: named here
     return folder
 
 
@@ -79,42 +81,29 @@ def run(cfg: Config) -> None:
     shutdown()
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc; empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
 def _stop_child_processes() -> None:
     """Kill every process this rank started (vLLM's engine core and, below it, its workers): otherwise they
     outlive a failed rank (measured: an orphaned vLLM worker kept spinning at 100% CPU) and hold the job's
     output pipes open, so that whoever waits on the launcher's output hangs."""
-    for pid in _descendants(os.getpid()):
+    for pid in descendants(os.getpid()):
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    # torchrun's way of stopping the surviving ranks when one has failed
+def _on_stop_signal(signum: int, frame: object) -> None:
+    # SIGTERM: torchrun's way of stopping the surviving ranks when one has failed, or of passing on a SIGTERM /
+    # Ctrl-C it received itself; SIGINT: Ctrl-C on a job started without torchrun. Checkpoints already written are
+    # complete (a save cut short here is never resumed from), so stopping at once loses at most one interval.
+    print(f"[rank {os.environ.get('RANK', '0')}] stopped by signal {signal.Signals(signum).name}", flush=True)
     _stop_child_processes()
     os._exit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, _on_stop_signal)
+    signal.signal(signal.SIGINT, _on_stop_signal)
     try:
         cfg = load_config(argv)
     except ConfigError as e:

@@ -19,10 +19,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_script(
-    nproc: int, script: Path, *args: str, timeout: float = 900, threads: int = 1, max_restarts: int = 0
-) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node nproc script args...` on a fresh local rendezvous; output captured."""
+def torchrun_command(
+    nproc: int, script: Path, *args: str, threads: int = 1, max_restarts: int = 0
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of `torchrun --nproc-per-node nproc script args...` on a fresh rendezvous."""
     env = dict(
         os.environ,
         OMP_NUM_THREADS=str(threads),
@@ -47,6 +47,14 @@ def torchrun_script(
         str(script),
         *args,
     ]
+    return cmd, env
+
+
+def torchrun_script(
+    nproc: int, script: Path, *args: str, timeout: float = 900, threads: int = 1, max_restarts: int = 0
+) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node nproc script args...` on a fresh local rendezvous; output captured."""
+    cmd, env = torchrun_command(nproc, script, *args, threads=threads, max_restarts=max_restarts)
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0 and native_heap_abort(r.stderr):
         # A rare native crash (glibc heap-corruption abort, about 1 run in 10 of the 4-rank vLLM job on this

@@ -12,10 +12,10 @@ import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 import torch
 
+from pipelinerl_fsdp.processes import parent_of
 from pipelinerl_fsdp.transport.store_group import join_store_group
 from pipelinerl_fsdp.transport.weights import IN_FLIGHT, BucketLayout, broadcast_bucket, in_decoder_layer
 
@@ -28,15 +28,6 @@ def _drop_rotary_reload_warning(record: logging.LogRecord) -> bool:
     when a reload brings nothing for a layer, vLLM puts the layer's own tensors back (`_place_kernel_tensors`), so
     the cache stays as it was. Any other layer that fails to load still warns."""
     return not (record.getMessage() == "RotaryEmbedding: Failed to load weights")
-
-
-def parent_of(pid: int) -> int | None:
-    """The parent pid of `pid` (Linux /proc), or None when it cannot be read (the process is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
 
 
 def _watch_rank(rank_pid: int, core_pid: int, period_s: float) -> None:

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, free_port, pipeline_lag_bound, torchrun
+from conftest import ROOT, free_port, pipeline_lag_bound, torchrun, torchrun_command
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +63,15 @@ def records(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
 
 
-def short_run(nproc: int, n_inf: int, warm: Path, out: Path, *extra: str, timeout: float = 600, max_restarts=0):
-    return torchrun(
-        nproc,
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def short_run_args(n_inf: int, warm: Path, out: Path, *extra: str) -> list[str]:
+    return [
         "--config",
         "arithmetic",
         f"--model.path={warm}",
@@ -77,9 +84,11 @@ def short_run(nproc: int, n_inf: int, warm: Path, out: Path, *extra: str, timeou
         "--metrics.log_every=4",
         "--eval.every=0",
         *extra,
-        timeout=timeout,
-        max_restarts=max_restarts,
-    )
+    ]
+
+
+def short_run(nproc: int, n_inf: int, warm: Path, out: Path, *extra: str, timeout: float = 600, max_restarts=0):
+    return torchrun(nproc, *short_run_args(n_inf, warm, out, *extra), timeout=timeout, max_restarts=max_restarts)
 
 
 VLLM = pytest.param(
@@ -305,6 +314,72 @@ def test_a_killed_rank_restarts_the_job_which_resumes_and_finishes(warm_folder, 
     assert [x["version"] for x in records(tmp_path)][-1] == 12
     ck = tmp_path / "checkpoints"
     assert (ck / "latest").read_text().strip() == "step-0000012"  # a final checkpoint
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_stops_every_process_quickly(warm_folder, tmp_path, sig):
+    """Ctrl-C or SIGTERM to torchrun: the job ends within 30 s, no process of it (vLLM's included) is left, and
+    the checkpoints written before the signal are intact for the next start."""
+    from pipelinerl_fsdp.checkpoint import newest_intact
+    from pipelinerl_fsdp.processes import alive, descendants
+
+    args = short_run_args(1, warm_folder, tmp_path, "--checkpoint.interval=2", "--metrics.log_every=1")
+    cmd, env = torchrun_command(2, ROOT / "run_train.py", *args, "--rl.max_steps=1000", "--job.threads_per_rank=1")
+    with open(tmp_path / "log.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            metrics = tmp_path / "rl" / "metrics.jsonl"
+            deadline = time.time() + 300
+            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+                assert proc.poll() is None and time.time() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
+                time.sleep(0.5)
+            tree = descendants(proc.pid)
+            assert len(tree) >= 4, tree  # 2 ranks, vLLM's engine core and worker
+            t0 = time.time()
+            proc.send_signal(sig)
+            proc.wait(timeout=60)
+            elapsed = time.time() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert elapsed < 30, elapsed
+    time.sleep(2)  # the kernel reaps what was killed
+    assert [pid for pid in tree if alive(pid)] == []
+    path, skipped = newest_intact(tmp_path / "checkpoints")
+    assert path is not None and int(path.name.split("-")[1]) >= 4, (path, skipped)
+
+
+def test_a_killed_vllm_engine_core_restarts_the_job_which_finishes(warm_folder, tmp_path):
+    """kill -9 of vLLM's engine core (as the OOM killer would): its inference rank notices within seconds and
+    fails with the cause, torchrun restarts the job (--max-restarts=1), which resumes and finishes every step."""
+    from pipelinerl_fsdp.processes import descendants
+
+    args = short_run_args(1, warm_folder, tmp_path, "--checkpoint.interval=2", "--metrics.log_every=1")
+    cmd, env = torchrun_command(2, ROOT / "run_train.py", *args, "--job.threads_per_rank=1", max_restarts=1)
+    metrics = tmp_path / "rl" / "metrics.jsonl"
+    with open(tmp_path / "log.txt", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 300
+            while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 4):
+                assert proc.poll() is None and time.time() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
+                time.sleep(0.2)
+            cores = [p for p in descendants(proc.pid) if b"EngineCore" in cmdline(p)]
+            assert len(cores) == 1, cores
+            os.kill(cores[0], signal.SIGKILL)
+            t_kill = time.time()
+            while "failed" not in (tmp_path / "log.txt").read_text() and time.time() < t_kill + 60:
+                time.sleep(0.2)
+            noticed = time.time() - t_kill
+            proc.wait(timeout=400)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    out = (tmp_path / "log.txt").read_text()
+    assert proc.returncode == 0, out[-4000:]
+    assert noticed < 30, noticed  # the rank saw its engine die, well before any collective time-out
+    assert "[rank 1] failed" in out and "resumed from" in out
+    assert [x["step"] for x in records(tmp_path)] == list(range(1, 13))
 
 
 def test_resume_without_checkpoint_is_an_error(warm_folder, tmp_path):
