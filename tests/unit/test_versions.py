@@ -5,7 +5,8 @@ import sys
 import time
 
 from pipelinerl_fsdp.inference.vllm_engine import versions_from_segments
-from pipelinerl_fsdp.train import _descendants, _stop_child_processes
+from pipelinerl_fsdp.processes import descendants
+from pipelinerl_fsdp.train import _stop_child_processes
 
 
 def test_versions_follow_the_boundaries():
@@ -28,9 +29,9 @@ def test_stopping_children_kills_the_whole_subtree():
         [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(['sleep', '60']); time.sleep(60)"]
     )
     deadline = time.time() + 10
-    while len(_descendants(child.pid)) < 1 and time.time() < deadline:
+    while len(descendants(child.pid)) < 1 and time.time() < deadline:
         time.sleep(0.05)
-    grandchildren = _descendants(child.pid)
+    grandchildren = descendants(child.pid)
     assert grandchildren, "the grandchild did not start"
     _stop_child_processes()
     assert child.wait(timeout=10) != 0
