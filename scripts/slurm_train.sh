@@ -10,7 +10,8 @@
 #SBATCH --output=slurm-%j.out
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# sed reads the whole list: `head -n 1` would close the pipe early, and under pipefail scontrol's SIGPIPE ends the script
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 export NNODES="$SLURM_JOB_NUM_NODES" NPROC_PER_NODE="${GPUS_PER_NODE:-8}"
 export RDZV_ENDPOINT="${head_node}:${RDZV_PORT:-29500}" RDZV_ID="$SLURM_JOB_ID" SKIP_SETUP=1 PYTHON="${PYTHON:-.venv/bin/python}"
 # srun starts one task per node; each gets its node rank from SLURM_NODEID.
