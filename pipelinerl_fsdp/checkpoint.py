@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
+from pipelinerl_fsdp.faults import maybe_fail
 
 
 def _step_dir(folder: Path, step: int) -> Path:
@@ -50,6 +51,7 @@ def save_checkpoint(
         raise OSError(
             f"saving checkpoint {path} failed ({e}); the previous complete checkpoint in {folder} is intact"
         ) from e
+    maybe_fail(dist.get_rank(), step, "save")
     dist.barrier(group=group)
     if is_main:
         full_meta = {

@@ -28,12 +28,12 @@ memory, when an engine cannot hold one full-length sequence, or when a node has 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipelinerl_fsdp.config import Config, ConfigError
 from pipelinerl_fsdp.models.args import ModelArgs, flavour_args
+from pipelinerl_fsdp.models.hf_io import read_model_args
 from pipelinerl_fsdp.transport.weights import IN_FLIGHT
 
 GIB = 1 << 30
@@ -46,7 +46,7 @@ def plan_model_args(cfg: Config) -> tuple[ModelArgs, str]:
     """The model's shape and where it came from: `model.path`'s config.json, else `model.flavour`."""
     config_json = Path(cfg.model.path) / "config.json" if cfg.model.path else None
     if config_json is not None and config_json.is_file():
-        return ModelArgs.from_hf_config(json.loads(config_json.read_text())), str(config_json)
+        return read_model_args(cfg.model.path), str(config_json)
     try:
         return flavour_args(cfg.model.flavour), f"model.flavour = {cfg.model.flavour!r}"
     except ValueError as e:

@@ -4,12 +4,12 @@ the longest sequence fits the trainer's micro-batch budget. A failure is a `Conf
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp.config import Config, ConfigError
+from pipelinerl_fsdp.models.hf_io import read_json
 from pipelinerl_fsdp.tasks import Task
 from pipelinerl_fsdp.tokenizer import encode_prompt
 
@@ -39,7 +39,7 @@ def stop_token_ids(model_path: str | Path, tokenizer: PreTrainedTokenizerBase) -
     for name in ("generation_config.json", "config.json"):
         path = Path(model_path) / name
         if path.is_file():
-            ids.update(_eos_ids(json.loads(path.read_text()).get("eos_token_id")))
+            ids.update(_eos_ids(read_json(path).get("eos_token_id")))
     return sorted(ids)
 
 

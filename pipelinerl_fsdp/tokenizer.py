@@ -60,7 +60,10 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     path = Path(path)
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise FileNotFoundError(f"{path}: no tokenizer.json / tokenizer_config.json (not a tokenizer folder)")
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers' parse errors (a corrupt tokenizer.json) do not name the folder
+        raise ValueError(f"{path}: the tokenizer does not load ({type(e).__name__}: {e})") from e
     if tok.eos_token_id is None:
         raise ValueError(f"{path}: the tokenizer has no EOS token; completions could never end")
     return tok

@@ -19,6 +19,7 @@ with `clear_cache=True`, which preempts running requests so they are prefilled a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import queue
 import threading
@@ -36,6 +37,8 @@ from pipelinerl_fsdp.transport.store_group import store_address
 from pipelinerl_fsdp.transport.weights import WeightReceiver
 
 EXTENSION = "pipelinerl_fsdp.inference.vllm_extension.WeightUpdateExtension"
+# how often a wait on vLLM checks that its engine core is still alive
+LIVENESS_POLL_S = 0.2
 
 
 def sampling_params(
@@ -214,13 +217,33 @@ class VLLMEngine(Engine):
         budget = max_num_batched_tokens or prefill_token_budget(max_num_seqs, max_len, placement.gpu_ids is not None)
         if budget:
             kwargs["max_num_batched_tokens"] = budget
-        self.llm = self._call(self._start(kwargs), start_timeout_s)
+        # every call into vLLM below waits at most this long (and much less once the engine core is dead)
+        self.timeout_s = start_timeout_s
+        self.llm = self._call(self._start(kwargs), "vLLM's start-up")
         # vLLM's processes end with this one, even when it is killed without a chance to close them
-        self._call(self.llm.collective_rpc("watch_inference_rank", args=(os.getpid(),)), start_timeout_s)
+        rank = int(os.environ.get("RANK", "-1"))
+        self._call(self.llm.collective_rpc("watch_inference_rank", args=(os.getpid(), rank)), "the workers' watchdog")
 
     # -- loop-thread side ---------------------------------------------------------------------------------------
-    def _call(self, coro: Any, timeout: float | None = None) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+    def _call(self, coro: Any, what: str, timeout: float | None = None, check_alive: bool = True) -> Any:
+        """Run `coro` on the client loop and wait for its result: at most `timeout` s (default: the engine's
+        `timeout_s`), and, with `check_alive`, no longer than vLLM takes to notice that its engine core died.
+        vLLM fails new calls on a dead core but never answers one already in flight (a weight update's RPC
+        would wait forever), so liveness is polled here. Errors name `what` was waited for."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        limit = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while not concurrent.futures.wait([fut], timeout=LIVENESS_POLL_S).done:
+            llm = getattr(self, "llm", None)
+            if check_alive and llm is not None and llm.errored:
+                fut.cancel()
+                raise RuntimeError(f"vLLM's engine core died during {what}") from llm.dead_error
+            if time.monotonic() > deadline:
+                fut.cancel()
+                raise TimeoutError(
+                    f"no answer from vLLM's engine core for {limit:.0f} s (world.timeout_s) during {what}"
+                )
+        return fut.result()
 
     @staticmethod
     async def _start(kwargs: dict[str, Any]) -> Any:
@@ -251,11 +274,17 @@ class VLLMEngine(Engine):
         finally:
             self._active.pop(rid, None)
 
-    async def _update(self, version: int, recompute: bool, method: str = "receive_weight_update") -> None:
+    async def _update(self, version: int, recompute: bool, staged: bool = False) -> None:
+        """Pause, load the update (received now, or `staged` earlier) in the workers, resume."""
         # Straight to the core: AsyncLLM.pause_generation adds a fixed 20 ms sleep for output ordering we don't need.
         await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=recompute)
         try:
-            counts = (await self.llm.collective_rpc(method))[0]
+            rpc = (
+                self.llm.collective_rpc("load_received_weights")
+                if staged
+                else self.llm.collective_rpc("receive_weight_update", args=(True, version))
+            )
+            counts = (await rpc)[0]
         finally:
             await self.llm.resume_generation()
         by_id = {internal.rsplit("-", 1)[0]: n for internal, n in counts.items()}  # internal ids: "<ours>-<hex>"
@@ -293,7 +322,8 @@ class VLLMEngine(Engine):
                     bucket_bytes,
                     group_name,
                 ),
-            )
+            ),
+            "joining the weight-update group",
         )
 
     def add(self, request: Request) -> None:
@@ -332,7 +362,7 @@ class VLLMEngine(Engine):
     def load_update(self, receiver: WeightReceiver, version: int, recompute: bool) -> None:
         """The workers receive the buckets and load them (`receiver` only carried the header)."""
         t0 = time.perf_counter()
-        self._call(self._update(version, recompute))
+        self._call(self._update(version, recompute), f"the update to version {version}")
         if self._busy_since is not None:  # only a pause while busy is idle time to subtract
             self.pause_s += time.perf_counter() - max(t0, self._busy_since)
 
@@ -347,16 +377,16 @@ class VLLMEngine(Engine):
         """Into the workers' receive buffers (the RPC runs between two engine steps; generation goes on with the
         current weights)."""
         t0 = time.perf_counter()
-        self._call(self.llm.collective_rpc("receive_weight_update", args=(False,)))
+        self._call(self.llm.collective_rpc("receive_weight_update", args=(False,)), "receiving an update")
         if self._busy_since is not None:
             self.pause_s += time.perf_counter() - max(t0, self._busy_since)
 
     def apply_staged(self, version: int) -> None:
-        self._call(self._update(version, False, "load_received_weights"))
+        self._call(self._update(version, False, staged=True), f"loading the staged version {version}")
 
     def close(self) -> None:
         """Stop the engine's processes and the client loop (unfinished requests are dropped)."""
-        self._call(self._shutdown(), timeout=60)
+        self._call(self._shutdown(), "the engine's shutdown", timeout=60, check_alive=False)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 

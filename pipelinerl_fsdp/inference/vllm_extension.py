@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from pipelinerl_fsdp.faults import maybe_fail
 from pipelinerl_fsdp.processes import parent_of
 from pipelinerl_fsdp.transport.store_group import join_store_group
 from pipelinerl_fsdp.transport.weights import IN_FLIGHT, BucketLayout, broadcast_bucket, in_decoder_layer
@@ -77,15 +78,17 @@ class WeightUpdateExtension:
         rank = base_rank + int(getattr(self, "rank", 0))
         self._pl_group = join_store_group(host, port, group_name, rank, size, backend, device, timeout_s)
 
-    def watch_inference_rank(self, rank_pid: int, period_s: float = 1.0) -> None:
-        """Start the watchdog that ends this engine when its inference rank's process dies (`_watch_rank`)."""
+    def watch_inference_rank(self, rank_pid: int, rank: int = -1, period_s: float = 1.0) -> None:
+        """Start the watchdog that ends this engine when its inference rank's process dies (`_watch_rank`);
+        `rank`: that inference rank's global rank (names this engine in injected faults)."""
+        self._pl_rank = rank
         # the engine core is this worker's parent, or this very process when vLLM runs the worker in the core
         core_pid = os.getppid() if parent_of(os.getppid()) == rank_pid else os.getpid()
         if parent_of(core_pid) != rank_pid:
             return  # not the process layout we know (no /proc?): nothing to watch safely
         threading.Thread(target=_watch_rank, args=(rank_pid, core_pid, period_s), daemon=True).start()
 
-    def receive_weight_update(self, load: bool = True) -> dict[str, int]:
+    def receive_weight_update(self, load: bool = True, version: int = -1) -> dict[str, int]:
         """Receive one update and load it bucket by bucket as it arrives, or (`load` false, async mode: see
         `load_received_weights`) keep it whole for later. Returns, per scheduled request (vLLM's internal id), how
         many output tokens it had *before* the load: the exact version boundary, since no engine step runs during
@@ -97,20 +100,22 @@ class WeightUpdateExtension:
             for flat in self._pl_staged:
                 broadcast_bucket(flat, self._pl_group, 0, raw=True)
             return {}
-        return self._load(self._streamed())
+        return self._load(self._streamed(version))
 
     def load_received_weights(self) -> dict[str, int]:
         """Load the update kept by `receive_weight_update(load=False)` (token counts as above)."""
         layout = self._pl_layout
         return self._load(v for b, flat in enumerate(self._pl_staged) for v in layout.views(b, flat))
 
-    def _streamed(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _streamed(self, version: int = -1) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of every parameter, each bucket received into the next free buffer when the loader
         asks for its first tensor."""
         layout = self._pl_layout
         for b, size in enumerate(layout.sizes):
             flat = self._pl_buffers[b % len(self._pl_buffers)][:size]
             broadcast_bucket(flat, self._pl_group, 0, raw=True)
+            if b == 0:
+                maybe_fail(getattr(self, "_pl_rank", -1), version, "core-update")
             for name, view in layout.views(b, flat):
                 # vLLM processes a module once all of its elements are loaded; the vocabulary layers (embeddings,
                 # head: padded to a multiple of 64 rows) never reach that count and are processed at the very end,

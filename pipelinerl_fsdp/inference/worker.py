@@ -95,6 +95,7 @@ class InferenceWorker:
         if kind == STOP:
             self.stopped = True
             return
+        maybe_fail(self.world.rank, version, "update")
         t0 = time.perf_counter()  # the pause: from the header on (not the wait for it)
         self.engine.load_update(self.receiver, version, self.cfg.inference.recompute_kv_on_update)
         self.receiver.post()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -17,20 +20,45 @@ SINGLE_NAME = "model.safetensors"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def read_json(path: Path) -> Any:
+    """A JSON file's content; a file that does not parse is an error naming it, with line and column."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
+
+
 def read_model_args(folder: str | Path) -> ModelArgs:
     """ModelArgs from `folder/config.json`."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config.json; is {folder} an HF model folder?")
-    with open(path) as f:
-        return ModelArgs.from_hf_config(json.load(f))
+    try:
+        return ModelArgs.from_hf_config(read_json(path))
+    except KeyError as e:
+        raise ValueError(f"{path}: no {e.args[0]!r} (not a decoder config this project can build)") from e
+
+
+@contextmanager
+def open_shard(path: Path) -> Iterator[Any]:
+    """`safe_open` of one shard; a missing or unreadable (truncated, not safetensors) file is an error naming it."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: listed in {INDEX_NAME} but missing")
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # safetensors' own errors do not name the file
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+    with handle as f:
+        yield f
 
 
 def _shard_files(folder: Path) -> list[Path]:
     index = folder / INDEX_NAME
     if index.is_file():
-        with open(index) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index}: no 'weight_map' table")
         return [folder / name for name in sorted(set(weight_map.values()))]
     single = folder / SINGLE_NAME
     if single.is_file():
@@ -45,7 +73,7 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of every shard of an HF folder, on CPU, in the stored dtype."""
     out: dict[str, torch.Tensor] = {}
     for path in _shard_files(Path(folder)):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with open_shard(path) as f:
             for key in f.keys():
                 out[key] = f.get_tensor(key)
     return out
@@ -138,7 +166,7 @@ def load_shards_into(model: Transformer, folder: str | Path) -> None:
     folder = Path(folder)
     where: dict[str, Path] = {}
     for path in _shard_files(folder):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with open_shard(path) as f:
             where.update({k: path for k in f.keys()})
     names = _check_names(folder, model, set(where))
     params = dict(model.named_parameters())
@@ -147,7 +175,7 @@ def load_shards_into(model: Transformer, folder: str | Path) -> None:
         by_file.setdefault(where[name], []).append(name)
     with torch.no_grad():
         for path, keys in by_file.items():
-            with safe_open(str(path), framework="pt", device="cpu") as f:
+            with open_shard(path) as f:
                 for name in keys:
                     p = params[name]
                     stored = f.get_slice(name)

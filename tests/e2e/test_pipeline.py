@@ -162,8 +162,10 @@ def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc,
     assert METRIC_KEYS <= recs[0].keys()
     assert [x["version"] for x in recs] == list(range(1, 13))
     assert recs[0]["lag_max"] == 0 and recs[0]["ess"] == pytest.approx(1.0, abs=1e-4)  # first step: on-policy
-    # The queues bound the lag (see conftest.pipeline_lag_bound) well below max_lag = 8: nothing may be dropped.
-    bound = pipeline_lag_bound(32, 4, 16, 2, n_inf)
+    # The queues bound the lag (see conftest.pipeline_lag_bound) below max_lag = 8: nothing may be dropped. Two vLLM
+    # engines: up to 2 more steps while a long attempt is overtaken (measured up to 1 over the queue bound).
+    span = 2 if n_inf > 1 and "--inference.engine=vllm" in extra else 0
+    bound = pipeline_lag_bound(32, 4, 16, 2, n_inf, span)
     assert max(x["lag_max"] for x in recs) <= bound and recs[-1]["dropped_stale"] == 0
     assert max(x["lag_max"] for x in recs) >= 1  # engines really generate while the trainer trains
     assert all(x["gen_tokens_per_s"] > 0 and x["train_tokens_per_s"] > 0 for x in recs[1:])
@@ -295,11 +297,19 @@ def test_checkpoint_resume_restores_the_trainer_exactly(warm_folder, tmp_path):
     assert [x["version"] for x in records(tmp_path / "c")] == [5, 6]
 
 
-@pytest.mark.parametrize("fault", ["0:6:kill", "1:6:kill"])  # SIGKILL of the trainer / of the inference rank
-def test_a_killed_rank_restarts_the_job_which_resumes_and_finishes(warm_folder, tmp_path, fault):
-    """torchrun --max-restarts=1: the job restarts after a rank dies without a word, resumes from the newest intact
-    checkpoint (losing at most one interval of steps), continues the data position, and every step is logged
-    once."""
+@pytest.mark.parametrize(
+    "fault, resumed",
+    [
+        ("0:6:kill", 4),  # the trainer, before step 7
+        ("1:6:kill", 4),  # the inference rank, once its engine holds version 6
+        ("1:6:kill:core-update", 4),  # vLLM's engine core, halfway through loading version 6
+        ("0:8:kill:save", 4),  # the trainer while saving step 8: files written, meta.json not yet
+    ],
+)
+def test_a_killed_rank_restarts_the_job_which_resumes_and_finishes(warm_folder, tmp_path, fault, resumed):
+    """torchrun --max-restarts=1: the job restarts after a process dies without a word (see faults.py for the
+    points), resumes from the newest intact checkpoint (losing at most one interval of steps; a save cut short is
+    skipped), continues the data position, and every step is logged once."""
     os.environ["PIPELINERL_FAULT"] = fault
     try:
         r = short_run(2, 1, warm_folder, tmp_path, "--checkpoint.interval=4", "--metrics.log_every=1", max_restarts=1)
@@ -309,7 +319,9 @@ def test_a_killed_rank_restarts_the_job_which_resumes_and_finishes(warm_folder, 
     assert "injected SIGKILL" in r.stdout
     assert "resumed from" in r.stdout, r.stdout[-3000:]
     resumed_at = int(r.stdout.split("resumed from")[1].split("at step")[1].split(",")[0])
-    assert resumed_at in (4, 8)
+    assert resumed_at == resumed, r.stdout[-3000:]
+    if fault.endswith(":save"):  # the half-written step-8 was there, and was passed over with a warning
+        assert "step-0000008" in r.stdout + r.stderr and "incomplete" in r.stdout + r.stderr, r.stderr[-3000:]
     steps = [x["step"] for x in records(tmp_path)]
     assert steps == list(range(1, 13))  # every step once, none duplicated by the restart
     assert [x["version"] for x in records(tmp_path)][-1] == 12
@@ -350,11 +362,6 @@ def test_a_signal_to_the_launcher_stops_every_process_quickly(warm_folder, tmp_p
     assert path is not None and int(path.name.split("-")[1]) >= 4, (path, skipped)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug: after vLLM's EngineDeadError the inference rank can hang instead of failing (seen in a manual "
-    "run: no '[rank 1] failed' after 60 s); passes when the death reaches a waiting request first",
-)
 def test_a_killed_vllm_engine_core_restarts_the_job_which_finishes(warm_folder, tmp_path):
     """kill -9 of vLLM's engine core (as the OOM killer would): its inference rank notices within seconds and
     fails with the cause, torchrun restarts the job (--max-restarts=1), which resumes and finishes every step."""

@@ -1,0 +1,178 @@
+"""Bad input where a user types or points: every checked config key's impossible value, and every file the job
+reads (model folder, tokenizer, checkpoint) missing, empty or corrupt, is an error that names the key or the file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from pipelinerl_fsdp.checkpoint import damage, newest_intact
+from pipelinerl_fsdp.config import _CHECKS, Config, ConfigError, _sections, load_config
+from pipelinerl_fsdp.models.hf_io import read_model_args, read_state_dict
+from pipelinerl_fsdp.tasks.base import TASKS, task_class
+from pipelinerl_fsdp.tokenizer import load_tokenizer
+
+# numeric keys where every value of the type is meaningful
+ANY_VALUE = {("job", "seed")}
+CANDIDATES = (-1, 0, -0.5, 1.5, 2, 0.5)
+
+
+def numeric_keys() -> list[tuple[str, str]]:
+    out = []
+    for section, tp in _sections().items():
+        hints = typing.get_type_hints(tp)
+        out += [(section, f.name) for f in dataclasses.fields(tp) if hints[f.name] in (int, float)]
+    return out
+
+
+def test_every_numeric_key_has_a_range_check():
+    """A numeric key added without a check would accept nonsense (a negative batch size) silently. The task's keys
+    are its own config's business (next test)."""
+    unchecked = [k for k in numeric_keys() if k not in _CHECKS and k not in ANY_VALUE and k[0] != "task"]
+    assert unchecked == [], f"add a check to config._CHECKS (or to ANY_VALUE here): {unchecked}"
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_every_task_rejects_a_negative_value_of_each_numeric_key(name):
+    """Each registered task's `check()` names every numeric key (seeds aside) set to -1."""
+    cls = task_class(name).config_class
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if hints[f.name] in (int, float) and not f.name.endswith("seed"):
+            cfg = cls(**{f.name: -1})
+            assert f.name in {k for k, _ in cfg.check()}, f"task {name}: {f.name} = -1 accepted"
+
+
+@pytest.mark.parametrize("key", sorted(_CHECKS), ids=lambda k: ".".join(k))
+def test_an_impossible_value_names_its_key_and_what_it_must_be(key):
+    section, name = key
+    ok, must = _CHECKS[key]
+    default = getattr(getattr(Config(), section), name)
+    if isinstance(default, str):
+        bad: object = ""
+    else:
+        bad = next(v for v in CANDIDATES if isinstance(v, type(default)) and not ok(v))
+    with pytest.raises(ConfigError) as e:
+        load_config([f"--{section}.{name}={bad}"])
+    assert f"{section}.{name}" in str(e.value) and must in str(e.value) and "command line" in str(e.value)
+
+
+def typed_keys() -> list[tuple[str, str]]:
+    """Per section, its first numeric or boolean key."""
+    out = []
+    for section, tp in _sections().items():
+        hints = typing.get_type_hints(tp)
+        out += [(section, f.name) for f in dataclasses.fields(tp) if hints[f.name] in (int, float, bool)][:1]
+    return out
+
+
+@pytest.mark.parametrize("section, key", typed_keys())
+def test_a_value_of_the_wrong_type_names_its_key(section, key):
+    with pytest.raises(ConfigError, match=rf"{section}\.{key}: expected .*got 'many'"):
+        load_config([f"--{section}.{key}=many"])
+
+
+# -- files ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def model_folder(tmp_path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 8,
+                "intermediate_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "vocab_size": 32,
+                "max_position_embeddings": 64,
+            }
+        )
+    )
+    save_file({"model.embed_tokens.weight": torch.zeros(32, 8)}, str(d / "model.safetensors"))
+    return d
+
+
+def test_model_folder_missing_or_empty(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no config\.json; is .* an HF model folder"):
+        read_model_args(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"empty/config\.json: no config\.json"):
+        read_model_args(tmp_path / "empty")
+
+
+def test_model_config_corrupt_or_incomplete(model_folder):
+    (model_folder / "config.json").write_text('{"hidden_size": 8,\n  oops}')
+    with pytest.raises(ValueError, match=r"config\.json: not valid JSON \(line 2, column 3"):
+        read_model_args(model_folder)
+    (model_folder / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match=r"config\.json: no 'vocab_size'"):
+        read_model_args(model_folder)
+
+
+def test_weights_missing_truncated_or_not_safetensors(model_folder):
+    assert set(read_state_dict(model_folder)) == {"model.embed_tokens.weight"}
+    weights = model_folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        read_state_dict(model_folder)
+    weights.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"model\.safetensors: not a readable safetensors file"):
+        read_state_dict(model_folder)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors files"):
+        read_state_dict(model_folder)
+
+
+def test_a_shard_listed_in_the_index_but_missing(model_folder):
+    (model_folder / "model.safetensors").rename(model_folder / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (model_folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002\.safetensors: listed in .*index\.json"):
+        read_state_dict(model_folder)
+    (model_folder / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"index\.json: no 'weight_map'"):
+        read_state_dict(model_folder)
+
+
+def test_tokenizer_missing_empty_or_corrupt(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a tokenizer folder"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("garbage")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"{tmp_path}: the tokenizer does not load"):
+        load_tokenizer(tmp_path)
+
+
+def test_checkpoint_folders_empty_partial_or_corrupt(tmp_path):
+    assert newest_intact(tmp_path / "nowhere") == (None, [])
+    partial = tmp_path / "step-0000004"
+    partial.mkdir()
+    assert "no meta.json" in (damage(partial) or "")
+    (partial / "meta.json").write_text("{not json")
+    assert "meta.json unreadable" in (damage(partial) or "")
+    path, skipped = newest_intact(tmp_path)
+    assert path is None and len(skipped) == 1 and "step-0000004" in skipped[0]
+
+
+def test_resume_from_a_missing_or_partial_checkpoint_is_a_config_error(tmp_path):
+    from pipelinerl_fsdp.checkpoint import resume_point
+
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume_from = .*: no such folder"):
+        resume_point(load_config([f"--checkpoint.resume_from={tmp_path}/nowhere"]))
+    (tmp_path / "step-0000002").mkdir()
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume_from = .*: incomplete"):
+        resume_point(load_config([f"--checkpoint.resume_from={tmp_path}/step-0000002"]))
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume = 'required' but .* holds no intact checkpoint"):
+        resume_point(load_config(["--checkpoint.resume=required", f"--checkpoint.folder={tmp_path}"]))
