@@ -11,9 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_job(args: list[str], log: Path, nproc: int) -> None:
-    """`torchrun --standalone --nproc-per-node nproc run_train.py ARGS`, output to `log`; exits with the log's
-    tail when the job fails."""
+def job_command(args: list[str], nproc: int) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of `torchrun --standalone --nproc-per-node nproc run_train.py ARGS`."""
     env = dict(
         os.environ,
         PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -30,6 +29,12 @@ def run_job(args: list[str], log: Path, nproc: int) -> None:
         str(ROOT / "run_train.py"),
         *args,
     ]
+    return cmd, env
+
+
+def run_job(args: list[str], log: Path, nproc: int) -> None:
+    """Run `job_command(args, nproc)`, output to `log`; exits with the log's tail when the job fails."""
+    cmd, env = job_command(args, nproc)
     with open(log, "w") as f:
         r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     if r.returncode != 0:

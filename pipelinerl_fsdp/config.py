@@ -40,6 +40,10 @@ class JobConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # torch threads per rank; 0 = the node's cores divided by the ranks on the node
     threads_per_rank: int = 0
+    # CPU jobs: bind each rank, and every process it starts (vLLM's engine core and workers, reward workers), to
+    # its own slice of the node's cores (engines from the top core down, trainers below), so that generation and
+    # training never compete for a core; nothing is bound on an oversubscribed node or on GPU
+    bind_cores: bool = True
     # show third-party logs (vLLM's per-step and per-update INFO lines, its warnings on weight reloads)
     debug: bool = False
     # restarts of the whole job after a failed process (torchrun --max-restarts, passed by run_train.sh and the

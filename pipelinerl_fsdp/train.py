@@ -42,11 +42,25 @@ def run_rl(cfg: Config, world: World) -> None:
             job_flags(cfg.world.timeout_s).wait(["warmstart_done"], datetime.timedelta(days=7))
         path = cfg.warmstart.path
     tokenizer_path = preflight_rl(cfg, path)
+    bind_cpu_cores(cfg, world)
     bucket = cfg.world.weight_bucket_mb * 1024**2
     if world.is_trainer:
         run_trainer(cfg, world, path, tokenizer_path, bucket)
     else:
         run_inference(cfg, world, path, tokenizer_path, bucket)
+
+
+def bind_cpu_cores(cfg: Config, world: World) -> None:
+    """CPU jobs (`job.bind_cores`): bind this rank, and what it starts from now on (vLLM, reward workers), to its
+    cores; after the warm start, which lets the trainers use every core while the engines wait."""
+    from pipelinerl_fsdp import cpu_binding
+    from pipelinerl_fsdp.inference.placement import rank_cores
+
+    if world.backend == "nccl" or not cfg.job.bind_cores:
+        return
+    cores = rank_cores(cfg, world)
+    if cores and cpu_binding.bind(cores) and not cfg.job.threads_per_rank:
+        torch.set_num_threads(len(cores))
 
 
 def preflight_rl(cfg: Config, model_path: str) -> str:

@@ -37,7 +37,7 @@ from pipelinerl_fsdp.train_step import add_reference_logprobs, forward_backward,
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, Sample, scatter_samples
 from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import PushStats, WeightSender
-from pipelinerl_fsdp.world import World
+from pipelinerl_fsdp.world import World, waiting_for
 
 
 class RLTrainer:
@@ -115,6 +115,7 @@ class RLTrainer:
         )
         self._engines_before = EngineCounters()
         self._t_prev = time.perf_counter()
+        self._push_s = 0.0  # the last step's weight push (wall time; 0 when nothing was pushed)
 
     def _resume(self, path: Path) -> None:
         p = self.policy
@@ -135,7 +136,8 @@ class RLTrainer:
             batch = self.collector.next_batch(self.version, self.cfg.world.timeout_s)
             parts = split_balanced(batch, len(self.world.trainer_ranks))
             self._batch = [s for part in parts for s in part]  # for the metrics and rollout logs (this rank only)
-        return scatter_samples(parts, self.world.trainer_group, 0, self.world.trainer_rank)
+        with waiting_for("this step's share of the batch from the first trainer rank", self.world.rank):
+            return scatter_samples(parts, self.world.trainer_group, 0, self.world.trainer_rank)
 
     def _loss_fn(
         self, logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor]
@@ -204,7 +206,11 @@ class RLTrainer:
         sync = self.version != trained_version and (
             self.version % cfg.rl.sync_every == 0 or (last and cfg.eval.every > 0)
         )
-        push = self.sender.push(self.version) if sync else None
+        push, t_push = None, time.perf_counter()
+        if sync:
+            with waiting_for(f"the engines to receive weight version {self.version}", world.rank):
+                push = self.sender.push(self.version)
+        self._push_s = time.perf_counter() - t_push
         sums = dict(zip(LOSS_SUMS, sum_over_ranks([stats.get(k, 0.0) for k in LOSS_SUMS], world.trainer_group, device)))
         t_end = time.perf_counter()
         if self.collector is not None:
@@ -250,6 +256,7 @@ class RLTrainer:
                 "update_pause_ms": sum(st["update_pause_ms"] for st in c.engine_stats.values())
                 / max(len(c.engine_stats), 1),
                 "broadcast_mb_per_s": push.mb_per_s if push else float("nan"),
+                "push_s": self._push_s,
                 "queue_size": c.queued_samples(),
                 "dropped_stale": c.counts.dropped_samples,
                 "dropped_stale_groups": c.counts.dropped_groups,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -180,3 +182,13 @@ def job_flags(timeout_s: float) -> dist.Store:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextmanager
+def waiting_for(what: str, rank: int) -> Iterator[None]:
+    """Name what a blocking exchange with other ranks was waiting for when it fails: a peer died (connection
+    reset) or `world.timeout_s` passed. torch's own errors say neither the stage nor what was missing."""
+    try:
+        yield
+    except RuntimeError as e:  # gloo / NCCL errors (DistBackendError is a RuntimeError)
+        raise RuntimeError(f"rank {rank}, waiting for {what}: {type(e).__name__}: {e}") from e

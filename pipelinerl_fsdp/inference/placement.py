@@ -3,18 +3,18 @@
 torchrun gives each node's ranks contiguous global ranks, and the job puts trainers on the low ranks, so on a
 node the trainer ranks come first. On GPU every trainer rank uses the GPU of its local rank; the node's vLLM
 engines take the GPUs after those, `tensor_parallel_size` each, in local-rank order. On CPU each rank owns an
-equal slice of the node's cores (the trainers through torch's thread count, the engines by binding vLLM's
-OpenMP threads to their slice, counted from the top core down; an oversubscribed node, e.g. tests with more
-ranks than cores, shares cores and says so).
+slice of the node's cores (`rank_cores`, `cpu_binding`): each engine `per` cores from the top core down (its
+process tree bound there, and vLLM's OpenMP threads bound inside it), the trainers an equal share of the rest; an
+oversubscribed node, e.g. tests with more ranks than cores, binds nothing, shares cores and says so).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from pipelinerl_fsdp import cpu_binding
 from pipelinerl_fsdp.config import Config, ConfigError
 from pipelinerl_fsdp.world import World
 
@@ -38,8 +38,7 @@ def engine_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 def vllm_placement(cfg: Config, world: World) -> VLLMPlacement:
     """Cores (CPU) or GPU indices (GPU) of this inference rank's vLLM engine."""
     inf = cfg.inference
-    node_first = world.rank - world.local_rank
-    local_trainers = sum(1 for r in world.trainer_ranks if node_first <= r < node_first + world.local_world_size)
+    local_trainers, local_engines = _local_counts(world)
     if world.backend == "nccl":
         tp = inf.tensor_parallel_size
         first = local_trainers + (world.local_rank - local_trainers) * tp
@@ -51,14 +50,15 @@ def vllm_placement(cfg: Config, world: World) -> VLLMPlacement:
                 f"{torch.cuda.device_count()} ({cfg.source})"
             )
         return VLLMPlacement(cpu_cores=None, gpu_ids=ids)
-    n_cpu = os.cpu_count() or 1
-    per = min(n_cpu, inf.cpu_cores_per_engine or cfg.job.threads_per_rank or max(1, n_cpu // world.local_world_size))
-    # engines from the top core down (trainers' threads are not bound; they start from the bottom)
-    first = max(0, n_cpu - (world.local_rank - local_trainers + 1) * per)
-    if world.local_world_size * per > n_cpu:
+    cores = cpu_binding.node_cores()
+    per = engine_cores_each(cfg, world, len(cores))
+    engine_index = world.local_rank - local_trainers
+    mine = cpu_binding.engine_slice(cores, engine_index, per)
+    if local_engines * per + local_trainers > len(cores):
         print(
-            f"[rank {world.rank}] warning: {world.local_world_size} ranks x {per} core(s) on a {n_cpu}-core node: "
-            f"oversubscribed; this engine shares cores {first}-{first + per - 1}",
+            f"[rank {world.rank}] warning: {local_engines} engine(s) x {per} core(s) and {local_trainers} trainer(s) "
+            f"on a {len(cores)}-core node: oversubscribed; nothing is bound, this engine's threads use cores "
+            f"{mine[0]}-{mine[-1]}",
             flush=True,
         )
     tp = inf.tensor_parallel_size
@@ -67,6 +67,34 @@ def vllm_placement(cfg: Config, world: World) -> VLLMPlacement:
             f"inference.cpu_cores_per_engine = {per} is not a multiple of "
             f"inference.tensor_parallel_size = {tp} ({cfg.source})"
         )
-    step = per // tp
-    cores = "|".join(f"{first + i * step}-{first + (i + 1) * step - 1}" for i in range(tp))
-    return VLLMPlacement(cpu_cores=cores, gpu_ids=None)
+    step = len(mine) // tp
+    parts = [mine[i * step : (i + 1) * step] for i in range(tp)]
+    return VLLMPlacement(cpu_cores="|".join(f"{p[0]}-{p[-1]}" for p in parts), gpu_ids=None)
+
+
+def engine_cores_each(cfg: Config, world: World, n_cores: int) -> int:
+    """Cores per vLLM engine on a CPU node: `inference.cpu_cores_per_engine`, else `job.threads_per_rank`, else an
+    equal share of the node."""
+    share = max(1, n_cores // world.local_world_size)
+    return min(n_cores, cfg.inference.cpu_cores_per_engine or cfg.job.threads_per_rank or share)
+
+
+def rank_cores(cfg: Config, world: World) -> list[int] | None:
+    """The cores this rank (and every process it starts) is bound to in a CPU job: its engine's slice (from the
+    top down) or its share of the cores the node's engines leave to its trainers; None when the node has fewer
+    cores than its ranks need (oversubscribed: nothing is bound)."""
+    cores = cpu_binding.node_cores()
+    local_trainers, n_engines = _local_counts(world)
+    per = engine_cores_each(cfg, world, len(cores))
+    if n_engines * per + local_trainers > len(cores):
+        return None
+    if world.is_trainer:
+        return cpu_binding.trainer_slice(cores, world.local_rank, local_trainers, n_engines, per)
+    return cpu_binding.engine_slice(cores, world.local_rank - local_trainers, per)
+
+
+def _local_counts(world: World) -> tuple[int, int]:
+    """(trainer ranks, inference ranks) on this rank's node (trainers have the node's first local ranks)."""
+    node_first = world.rank - world.local_rank
+    trainers = sum(1 for r in world.trainer_ranks if node_first <= r < node_first + world.local_world_size)
+    return trainers, world.local_world_size - trainers

@@ -172,8 +172,8 @@ class VLLMEngine(Engine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         if not debug:
-            # vLLM logs several INFO lines per weight update and warns on every reload (docs/vllm.md); its
-            # processes inherit this environment. Warnings from vLLM itself (not the reload) still show.
+            # vLLM logs several INFO lines per weight update, warns on every reload and prints ~7 start-up
+            # warnings about its own build choices (docs/vllm.md); its processes inherit this environment.
             quiet_vllm_logs()
         if placement.gpu_ids is None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
@@ -208,6 +208,7 @@ class VLLMEngine(Engine):
             # one step in flight at a time: the worker's token counts are then final (exact versions)
             async_scheduling=False,
             disable_log_stats=True,
+            use_tqdm_on_load=debug,  # the loading progress bars: with job.debug only
             # a cached prompt prefix would carry KV of older weights into a request tagged with the
             # current version; prompts are short next to completions, so exactness wins here
             enable_prefix_caching=False,
@@ -392,5 +393,8 @@ class VLLMEngine(Engine):
 
 
 def quiet_vllm_logs() -> None:
-    """vLLM's own logs down to warnings, in this process and the engine processes it starts."""
-    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    """vLLM's own logs down to errors, in this process and the engine processes it starts; in those processes
+    also Python's deprecation warnings (vLLM's use of torch) and torch's C++ warnings (Triton, NUMA binding)."""
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    os.environ["PYTHONWARNINGS"] = "ignore::FutureWarning,ignore::DeprecationWarning"

@@ -33,7 +33,7 @@ from pipelinerl_fsdp.tasks import Problem, ProblemStream, make_task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer
 from pipelinerl_fsdp.transport.rollouts import EvalReport, RolloutSender, Sample
 from pipelinerl_fsdp.transport.weights import STOP
-from pipelinerl_fsdp.world import World
+from pipelinerl_fsdp.world import World, waiting_for
 
 
 @dataclass
@@ -91,7 +91,8 @@ class InferenceWorker:
 
     def _take_update(self) -> None:
         """Take the update (or stop) whose header has arrived, or block until one does."""
-        kind, version = self.receiver.wait_header()
+        with waiting_for("the trainer's next weight update (header)", self.world.rank):
+            kind, version = self.receiver.wait_header()
         if kind == STOP:
             self.stopped = True
             return

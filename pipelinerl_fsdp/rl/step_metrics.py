@@ -86,4 +86,5 @@ def step_metrics(
         "trainer_busy_frac": (times.end - times.data) / (times.end - times.start),
         "inference_busy_frac": (engines.busy_s - engines_before.busy_s) / engine_elapsed,
         "wait_for_data_s": times.data - times.start,
+        "train_step_s": times.end - times.data,
     }

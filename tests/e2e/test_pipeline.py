@@ -71,6 +71,12 @@ def cmdline(pid: int) -> bytes:
         return b""
 
 
+def rank_of(pid: int) -> str | None:
+    """The RANK in a process's environment."""
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), None)
+
+
 def short_run_args(n_inf: int, warm: Path, out: Path, *extra: str) -> list[str]:
     return [
         "--config",
@@ -348,6 +354,11 @@ def test_a_signal_to_the_launcher_stops_every_process_quickly(warm_folder, tmp_p
                 time.sleep(0.5)
             tree = descendants(proc.pid)
             assert len(tree) >= 4, tree  # 2 ranks, vLLM's engine core and worker
+            if len(os.sched_getaffinity(0)) >= 2:  # job.bind_cores: each rank's process tree on cores of its own
+                ranks = {rank_of(pid): pid for pid in tree if b"run_train.py" in cmdline(pid)}
+                core = next(pid for pid in tree if b"EngineCore" in cmdline(pid))
+                trainer, engine = os.sched_getaffinity(ranks["0"]), os.sched_getaffinity(ranks["1"])
+                assert os.sched_getaffinity(core) == engine and not trainer & engine, (trainer, engine)
             t0 = time.time()
             proc.send_signal(sig)
             proc.wait(timeout=60)

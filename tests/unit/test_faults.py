@@ -1,4 +1,5 @@
-"""Fault injection: a spec fires exactly at its rank, step and point, in the first attempt only."""
+"""Fault injection (a spec fires exactly at its rank, step and point, in the first attempt only), and failed waits
+named by what they waited for."""
 
 from __future__ import annotations
 
@@ -41,3 +42,19 @@ def test_a_bad_spec_is_named(fault, spec, msg):
     fault(spec)
     with pytest.raises(ValueError, match=msg):
         maybe_fail(0, 0)
+
+
+def test_a_failed_exchange_says_what_it_waited_for():
+    from pipelinerl_fsdp.world import waiting_for
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"rank 3, waiting for the engines to receive weight version 7: "
+        r"RuntimeError: Connection reset by peer",
+    ) as e:
+        with waiting_for("the engines to receive weight version 7", 3):
+            raise RuntimeError("Connection reset by peer")
+    assert isinstance(e.value.__cause__, RuntimeError)
+    with pytest.raises(KeyError):  # not an exchange failure: passed through untouched
+        with waiting_for("anything", 0):
+            raise KeyError("x")

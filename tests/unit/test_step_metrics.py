@@ -42,7 +42,7 @@ def test_rates_and_busy_fractions_come_from_the_deltas():
     assert m["gen_tokens_per_s"] == pytest.approx(300 / 3)  # 300 tokens since the previous step's end
     assert m["inference_busy_frac"] == pytest.approx(1.5 / 2)
     assert m["trainer_busy_frac"] == pytest.approx(1.5 / 2)  # waited 0.5 s of a 2 s step for data
-    assert m["wait_for_data_s"] == pytest.approx(0.5)
+    assert m["wait_for_data_s"] == pytest.approx(0.5) and m["train_step_s"] == pytest.approx(1.5)
     assert m["train_tokens_per_s"] == pytest.approx(3 / 1.5)  # 3 + 1 tokens, 3 targets, in 1.5 s
 
 
