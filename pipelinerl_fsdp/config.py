@@ -168,9 +168,10 @@ class InferenceConfig:
     recompute_kv_on_update: bool = False
     # finished groups an engine may queue for sending before it blocks (backpressure)
     max_queued_groups: int = 2
-    # vLLM on CPU: KV-cache GiB per engine (VLLM_CPU_KVCACHE_SPACE) and cores per engine for its OpenMP threads
+    # vLLM on CPU: KV-cache GiB per engine (0: sized from the config, see vllm_engine.kv_cache_gib_needed) and
+    # cores per engine for its OpenMP threads
     # (VLLM_CPU_OMP_THREADS_BIND; 0: job.threads_per_rank, else the node's cores / ranks on the node)
-    kv_cache_gib: int = 1
+    kv_cache_gib: float = 0.0
     cpu_cores_per_engine: int = 0
     # vLLM on GPU: fraction of each engine GPU's memory vLLM may use; GPUs per engine (tensor parallelism)
     gpu_memory_utilization: float = 0.85
@@ -320,7 +321,7 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("inference", "temperature"): (lambda v: v > 0, "> 0 (log-probs of a greedy policy are undefined)"),
     ("inference", "top_p"): (lambda v: 0 < v <= 1, "in (0, 1]"),
     ("inference", "max_queued_groups"): (lambda v: v >= 1, ">= 1"),
-    ("inference", "kv_cache_gib"): (lambda v: v >= 1, ">= 1"),
+    ("inference", "kv_cache_gib"): (lambda v: v >= 0, ">= 0 (0: sized from the config)"),
     ("inference", "cpu_cores_per_engine"): (lambda v: v >= 0, ">= 0"),
     ("inference", "gpu_memory_utilization"): (lambda v: 0 < v <= 1, "in (0, 1]"),
     ("inference", "tensor_parallel_size"): (lambda v: v >= 1, ">= 1"),

@@ -32,13 +32,25 @@ import torch
 
 from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request
 from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement
-from pipelinerl_fsdp.models import Transformer, read_model_args
+from pipelinerl_fsdp.models import ModelArgs, Transformer, read_model_args
 from pipelinerl_fsdp.transport.store_group import store_address
 from pipelinerl_fsdp.transport.weights import WeightReceiver
 
 EXTENSION = "pipelinerl_fsdp.inference.vllm_extension.WeightUpdateExtension"
 # how often a wait on vLLM checks that its engine core is still alive
 LIVENESS_POLL_S = 0.2
+KV_BLOCK_TOKENS = 128  # vLLM's KV block on CPU (its default there): a sequence takes whole blocks
+KV_CACHE_MIN_BYTES = 64 * 2**20
+
+
+def kv_cache_gib_needed(args: ModelArgs, max_num_seqs: int, max_len: int, dtype_bytes: int) -> float:
+    """A CPU engine's KV cache sized from the config: every sequence at its longest (rounded up to vLLM's CPU blocks
+    of 128 tokens), K and V of every layer, twice over for margin, at least 64 MiB. The fixed 1 GiB of old was 64x
+    what the default job can use (64 sequences of one block each, 16 MiB) and half of vLLM's worker's memory."""
+    head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
+    per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * head_dim * dtype_bytes
+    tokens = max_num_seqs * -(-max_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    return max(2 * tokens * per_token, KV_CACHE_MIN_BYTES) / 2**30
 
 
 def sampling_params(
@@ -109,8 +121,9 @@ class VLLMEngine(Engine):
     def create(cls, settings: EngineSettings) -> tuple[VLLMEngine, WeightReceiver]:
         s, cfg, world = settings, settings.cfg, settings.world
         inf = cfg.inference
+        model_args = read_model_args(s.model_path)
         with torch.device("meta"):  # names and shapes of the broadcast, in the trainer's order
-            layout = [(n, p.shape) for n, p in Transformer(read_model_args(s.model_path)).named_parameters()]
+            layout = [(n, p.shape) for n, p in Transformer(model_args).named_parameters()]
         dtype = str(s.dtype).removeprefix("torch.")
         engine = cls(
             s.model_path,
@@ -121,7 +134,7 @@ class VLLMEngine(Engine):
             s.seed,
             dtype,
             vllm_placement(cfg, world),
-            inf.kv_cache_gib,
+            inf.kv_cache_gib or kv_cache_gib_needed(model_args, inf.max_num_seqs, s.max_len, s.dtype.itemsize),
             inf.gpu_memory_utilization,
             inf.tensor_parallel_size,
             enforce_eager=enforce_eager(inf.cuda_graphs, on_gpu=s.device.type == "cuda"),
@@ -158,7 +171,7 @@ class VLLMEngine(Engine):
         seed: int,
         dtype: str,
         placement: VLLMPlacement,
-        kv_cache_gib: int,
+        kv_cache_gib: float,
         gpu_memory_utilization: float = 0.85,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = True,
@@ -176,7 +189,6 @@ class VLLMEngine(Engine):
             # warnings about its own build choices (docs/vllm.md); its processes inherit this environment.
             quiet_vllm_logs()
         if placement.gpu_ids is None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
             if placement.cpu_cores:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = placement.cpu_cores
         else:
@@ -215,6 +227,8 @@ class VLLMEngine(Engine):
         )
         if placement.gpu_ids is not None:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:  # an explicit size also spares vLLM's CPU worker a warm-up pass to measure free memory
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         budget = max_num_batched_tokens or prefill_token_budget(max_num_seqs, max_len, placement.gpu_ids is not None)
         if budget:
             kwargs["max_num_batched_tokens"] = budget

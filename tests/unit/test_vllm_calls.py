@@ -66,3 +66,17 @@ def test_a_hung_engine_core_meets_the_deadline_with_a_name(engine):
 def test_the_shutdown_call_does_not_check_liveness(engine):
     engine.llm.errored = True  # shutting down marks the client errored: the shutdown itself must still complete
     assert engine._call(answer(), "the engine's shutdown", check_alive=False) == 7
+
+
+def test_the_cpu_kv_cache_is_sized_from_the_config():
+    from pipelinerl_fsdp.inference.vllm_engine import kv_cache_gib_needed
+    from pipelinerl_fsdp.models import ModelArgs
+
+    # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64 -> 46,080 bytes per token in fp32
+    smol = ModelArgs(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
+    gib = kv_cache_gib_needed(smol, max_num_seqs=16, max_len=1000, dtype_bytes=4)
+    assert gib * 2**30 == 2 * 16 * 1024 * 46_080  # whole 128-token blocks, twice over
+    assert kv_cache_gib_needed(smol, 16, 1025, 4) > gib  # one more token: one more block per sequence
+    # the default job's tiny model: the 64 MiB floor, not the fixed 1 GiB of old
+    tiny = ModelArgs(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    assert kv_cache_gib_needed(tiny, 64, 24, 4) == 64 / 1024
