@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
@@ -47,9 +48,11 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), process_group=group)
-    except OSError as e:  # a full disk, a quota: the previous checkpoint is untouched (nothing deleted yet)
+    except (OSError, CheckpointException) as e:  # a full disk, a quota: nothing was deleted yet
+        free = shutil.disk_usage(folder).free / 1e9
         raise OSError(
-            f"saving checkpoint {path} failed ({e}); the previous complete checkpoint in {folder} is intact"
+            f"saving checkpoint {path} failed ({write_failure(e)}; {free:.1f} GB free there); the previous complete "
+            f"checkpoint in {folder} is intact, and this one is never resumed from"
         ) from e
     maybe_fail(dist.get_rank(), step, "save")
     dist.barrier(group=group)
@@ -69,6 +72,14 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier(group=group)
     return path
+
+
+def write_failure(e: BaseException) -> str:
+    """What went wrong in a save, in one line: DCP wraps each rank's error (ENOSPC, EDQUOT...) in a
+    `CheckpointException` whose own text is a multi-line traceback per rank."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+    return f"{type(e).__name__}: {e}"
 
 
 def damage(path: Path) -> str | None:

@@ -17,8 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pipelinerl_fsdp import stopping
 from pipelinerl_fsdp.config import RLConfig
 from pipelinerl_fsdp.rl.advantages import is_zero_advantage_group
+from pipelinerl_fsdp.stopping import StopRequested
 from pipelinerl_fsdp.transport.rollouts import EvalReport, Sample
 
 Group = list[Sample]
@@ -77,7 +79,9 @@ class Collector:
         return self.source.qsize() * self.rl.attempts + sum(len(g) for g in self.buffer)
 
     def next_batch(self, version: int, timeout_s: float) -> list[Sample]:
-        """The next step's batch (`rl.batch_size` samples of whole groups) for trainer version `version`."""
+        """The next step's batch (`rl.batch_size` samples of whole groups) for trainer version `version`;
+        `StopRequested` instead once the job is stopping."""
+        stopping.raise_if_requested()
         if self.rl.mode != "conventional":
             return self._collect(version, timeout_s)
         if not self._round:  # the whole round first: the engines generate it all, then idle
@@ -95,7 +99,7 @@ class Collector:
         want = self.rl.batch_size // self.rl.attempts
         self.buffer = self._drop_stale(self.buffer, version)  # leftovers may have aged past max_lag
         while len(self.buffer) < want:
-            got = self.source.get(timeout=1.0)
+            got = self._get(timeout=1.0)
             if got is None:
                 if self.source.finished():
                     raise RuntimeError("all inference ranks stopped sending rollouts before training finished")
@@ -128,12 +132,26 @@ class Collector:
             return
         self.buffer += self._drop_stale([group], version)
 
+    def _get(self, timeout: float) -> tuple[int, Group | EvalReport, dict[str, float]] | None:
+        """The source's next item; `StopRequested` once the job is stopping (stopping.py), also in place of the
+        error of an inference rank lost to the stop."""
+        stopping.raise_if_requested()
+        try:
+            return self.source.get(timeout=timeout)
+        except RuntimeError:
+            if stopping.explains_failure():
+                stopping.raise_if_requested()
+            raise
+
     def wait_for(self, done: Callable[[], bool], version: int, timeout_s: float, what: str) -> None:
         """Keep receiving (groups go to the buffer) until `done()` holds; an error naming `what` after
-        `timeout_s`."""
+        `timeout_s`; gives up when the job is stopping."""
         t0 = time.perf_counter()
         while not done():
-            got = self.source.get(timeout=0.5)
+            try:
+                got = self._get(timeout=0.5)
+            except StopRequested:
+                return  # the engines are stopping too: what they have not reported will not come
             if got is not None:
                 self._take(got, version)
             elif self.source.finished():

@@ -256,6 +256,9 @@ class CheckpointConfig:
     # resume from this checkpoint folder (a step-NNNNNNN folder) instead; it must be intact
     resume_from: str = ""
     keep: int = 2
+    # on SIGTERM / SIGINT (Ctrl-C, scancel, preemption) the trainer saves the steps done since the last checkpoint
+    # before exiting (within torchrun's 30 s); false: exit at once, losing up to one interval
+    save_on_stop: bool = True
 
 
 @dataclass

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
 import sys
 import traceback
 
 import torch
 
+from pipelinerl_fsdp import stopping
 from pipelinerl_fsdp.config import Config, ConfigError, load_config, save_resolved, validate_world
-from pipelinerl_fsdp.processes import descendants
+from pipelinerl_fsdp.processes import kill_descendants
+from pipelinerl_fsdp.stopping import StopRequested
 from pipelinerl_fsdp.world import World, init_world, job_flags, shutdown
 
 
@@ -95,29 +96,10 @@ def run(cfg: Config) -> None:
     shutdown()
 
 
-def _stop_child_processes() -> None:
-    """Kill every process this rank started (vLLM's engine core and, below it, its workers): otherwise they
-    outlive a failed rank (measured: an orphaned vLLM worker kept spinning at 100% CPU) and hold the job's
-    output pipes open, so that whoever waits on the launcher's output hangs."""
-    for pid in descendants(os.getpid()):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-
-
-def _on_stop_signal(signum: int, frame: object) -> None:
-    # SIGTERM: torchrun's way of stopping the surviving ranks when one has failed, or of passing on a SIGTERM /
-    # Ctrl-C it received itself; SIGINT: Ctrl-C on a job started without torchrun. Checkpoints already written are
-    # complete (a save cut short here is never resumed from), so stopping at once loses at most one interval.
-    print(f"[rank {os.environ.get('RANK', '0')}] stopped by signal {signal.Signals(signum).name}", flush=True)
-    _stop_child_processes()
-    os._exit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _on_stop_signal)
-    signal.signal(signal.SIGINT, _on_stop_signal)
+    # Until the trainer loop takes over (graceful stop, see stopping.py), a signal stops this rank at once:
+    # checkpoints already written are complete (a save cut short is never resumed from).
+    stopping.install(graceful=False, on_exit=kill_descendants)
     try:
         cfg = load_config(argv)
     except ConfigError as e:
@@ -135,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if problems else 0
     try:
         run(cfg)
+    except StopRequested as e:
+        print(f"[rank {os.environ.get('RANK', '0')}] {e}", flush=True)
+        kill_descendants()
+        os._exit(128 + e.signum)
     except BaseException as e:
         # Print the cause with the rank, then exit at once: a clean shutdown could block on collectives or
         # threads that wait for peers, and torchrun tears the other ranks down as soon as this one is gone.
@@ -144,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.stdout.flush()
-        _stop_child_processes()
+        kill_descendants()
         os._exit(2 if isinstance(e, ConfigError) else 1)
     # Every output is written and every group destroyed: skip the interpreter's teardown, where C++ destructors
     # of torch/gloo threads occasionally aborted a finished rank ("terminate called without an active

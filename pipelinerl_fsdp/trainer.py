@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
+from pipelinerl_fsdp import stopping
 from pipelinerl_fsdp.checkpoint import load_checkpoint, resume_point, save_checkpoint
 from pipelinerl_fsdp.collector import Collector
 from pipelinerl_fsdp.config import Config, checkpoint_folder
@@ -27,10 +28,12 @@ from pipelinerl_fsdp.metrics import MetricsLogger, rl_console
 from pipelinerl_fsdp.models import save_hf_folder
 from pipelinerl_fsdp.parallelize import full_state_dict
 from pipelinerl_fsdp.policy import build_policy, load_sharded
+from pipelinerl_fsdp.processes import kill_descendants
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
 from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics
 from pipelinerl_fsdp.rollout_log import RolloutLog, as_text
+from pipelinerl_fsdp.stopping import StopRequested
 from pipelinerl_fsdp.tasks import make_task
 from pipelinerl_fsdp.tokenizer import load_tokenizer
 from pipelinerl_fsdp.train_step import add_reference_logprobs, forward_backward, sum_over_ranks
@@ -131,13 +134,16 @@ class RLTrainer:
     def _my_share(self) -> list[Sample]:
         """This rank's samples of the next batch: the collector (first trainer rank) assembles it, splits it by
         tokens and sends every trainer rank its share as tensors."""
-        parts = None
+        parts, stop = None, 0
         if self.collector is not None:
-            batch = self.collector.next_batch(self.version, self.cfg.world.timeout_s)
-            parts = split_balanced(batch, len(self.world.trainer_ranks))
-            self._batch = [s for part in parts for s in part]  # for the metrics and rollout logs (this rank only)
+            try:
+                batch = self.collector.next_batch(self.version, self.cfg.world.timeout_s)
+                parts = split_balanced(batch, len(self.world.trainer_ranks))
+                self._batch = [s for part in parts for s in part]  # for the metrics and rollout logs (this rank)
+            except StopRequested as e:  # the other trainer ranks stop here too, at the same step
+                stop = e.signum
         with waiting_for("this step's share of the batch from the first trainer rank", self.world.rank):
-            return scatter_samples(parts, self.world.trainer_group, 0, self.world.trainer_rank)
+            return scatter_samples(parts, self.world.trainer_group, 0, self.world.trainer_rank, stop=stop)
 
     def _loss_fn(
         self, logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor]
@@ -327,17 +333,39 @@ class RLTrainer:
         interval, last = self.cfg.checkpoint.interval, self.cfg.rl.max_steps
         if self.start_step >= last and self.world.is_main:
             print(f"[rl] the checkpoint is at step {self.start_step} of {last}: nothing left to train", flush=True)
+        saved = self.start_step  # the newest checkpoint's step (or where the run began)
+        stopping.install(graceful=interval > 0 and self.cfg.checkpoint.save_on_stop, on_exit=kill_descendants)
         for step in range(self.start_step, last):
-            self.train_step(step)
+            try:
+                self.train_step(step)
+            except StopRequested as stop:  # raised before this step changed anything: `step` steps are done
+                self._stop(step, saved, stop)
+                raise
             if interval and ((step + 1) % interval == 0 or step + 1 == last):  # and a final one
                 self.checkpoint(step + 1)
+                saved = step + 1
         self.close()
+
+    def _stop(self, step: int, saved: int, stop: StopRequested) -> None:
+        """A signal stopped the run after `step` optimizer steps: save them if the newest checkpoint is older."""
+        if step > saved:
+            t0 = time.perf_counter()
+            self.checkpoint(step)
+            if self.world.is_main:
+                print(
+                    f"[rl] {stop}: saved the checkpoint of step {step} in {time.perf_counter() - t0:.1f} s",
+                    flush=True,
+                )
+        elif self.world.is_main:
+            print(f"[rl] {stop}: the newest checkpoint is of step {step} already", flush=True)
+        self.logger.close()
 
     def close(self) -> None:
         """Tell the engines to stop, drain their last rollouts, export the final policy."""
-        self.sender.stop()
-        if self.receiver is not None:
-            self.receiver.drain()
+        if stopping.requested() is None:  # else the engines are gone: nothing to tell or to drain
+            self.sender.stop()
+            if self.receiver is not None:
+                self.receiver.drain()
         export_policy(self.policy.model, Path(self.cfg.job.output_dir) / "final", self.world, self.tokenizer)
         self.logger.close()
 

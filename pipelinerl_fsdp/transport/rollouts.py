@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pipelinerl_fsdp.stopping import StopRequested
+
 HEADER_TAG, INTS_TAG, FLOATS_TAG = 1, 2, 3
 DATA, DONE, EVAL = 1, 2, 3
 _HEADER_LEN = 4  # kind, n_samples, n_ints, n_floats
@@ -83,27 +85,36 @@ def decode_samples(n: int, ints: torch.Tensor, floats: torch.Tensor) -> list[Sam
 
 
 def scatter_samples(
-    parts: Sequence[Sequence[Sample]] | None, group: dist.ProcessGroup | None, src: int, me: int
+    parts: Sequence[Sequence[Sample]] | None, group: dist.ProcessGroup | None, src: int, me: int, stop: int = 0
 ) -> list[Sample]:
     """Each rank of `group` gets its own list of samples from rank `src` (group ranks), which holds `parts` (one
     list per rank): a header and two flat tensors per rank, point to point, so no rank receives what it does not
-    train on and nothing is pickled."""
+    train on and nothing is pickled. `stop` (a signal number, given on `src` in place of `parts`): every rank,
+    `src` included, raises `StopRequested(stop)` instead, so that all stop at the same step."""
     if me == src:
-        assert parts is not None
         pending = []
-        for r, part in enumerate(parts):
+        for r in range(len(parts) if parts is not None else dist.get_world_size(group)):
             if r == src:
                 continue
-            ints, floats = encode_samples(part)
-            header = torch.tensor([len(part), ints.numel(), floats.numel()], dtype=torch.long)
-            for t in (header, ints, floats):  # the tensors stay referenced until their sends complete
+            if stop:
+                tensors = [torch.tensor([-1, stop, 0], dtype=torch.long)]
+            else:
+                assert parts is not None
+                ints, floats = encode_samples(parts[r])
+                tensors = [torch.tensor([len(parts[r]), ints.numel(), floats.numel()], dtype=torch.long), ints, floats]
+            for t in tensors:  # the tensors stay referenced until their sends complete
                 pending.append((t, dist.isend(t, group=group, group_dst=r)))
         for _, work in pending:
             work.wait()
+        if stop:
+            raise StopRequested(stop)
+        assert parts is not None
         return list(parts[src])
     header = torch.empty(3, dtype=torch.long)
     dist.recv(header, group=group, group_src=src)
     n, n_ints, n_floats = header.tolist()
+    if n < 0:
+        raise StopRequested(n_ints)
     ints, floats = torch.empty(n_ints, dtype=torch.long), torch.empty(n_floats, dtype=torch.float32)
     dist.recv(ints, group=group, group_src=src)
     dist.recv(floats, group=group, group_src=src)

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from pipelinerl_fsdp import stopping
+
 UPDATE, STOP = 1, 2
 # send buffers per sender (and receive buffers per vLLM worker): one bucket in flight while the next is gathered
 IN_FLIGHT = 2
@@ -144,25 +146,33 @@ class WeightSender:
             dist.broadcast(header, self.src, group=self.group)
 
     @torch.no_grad()
-    def push(self, version: int) -> PushStats:
+    def push(self, version: int) -> PushStats | None:
         """Gather and broadcast all weights tagged with `version`.
 
         Each bucket's shards are cast to the engine dtype before the all-gather (half the bytes for bf16), copied
         into a send buffer and broadcast asynchronously, so the next bucket's gather overlaps this broadcast; at
         most IN_FLIGHT buckets are in flight. The header goes out only once the first bucket is gathered, so
-        engines pause for the transfer, not for the trainers' all-gathers of that bucket."""
+        engines pause for the transfer, not for the trainers' all-gathers of that bucket.
+
+        When the job is stopping (stopping.py) the source sends nothing more, but keeps gathering in step with
+        the other trainer ranks, and returns None: the engines are gone or going."""
         nbytes, t_gather, t_gather_first = 0, 0.0, 0.0
         t_header = time.perf_counter()
         works: list[dist.Work | None] = [None] * len(self._flat)
         group, raw = (self.bucket_group, True) if self.bucket_group is not None else (self.group, False)
+        sending = self.is_src and stopping.requested() is None
         for b, bucket in enumerate(self.buckets):
             t0 = time.perf_counter()
             full = [self._gathered(self.params[i][1]) for i in bucket]
             t_gather += time.perf_counter() - t0
             if b == 0:
-                self._header(UPDATE, version)
                 t_gather_first, t_header = t_gather, time.perf_counter()  # the engines' pause starts here
-            if self.is_src:
+            if not sending:
+                continue
+            try:
+                if b == 0:
+                    self._header(UPDATE, version)
+                    t_header = time.perf_counter()
                 slot = b % len(self._flat)
                 if works[slot] is not None:
                     works[slot].wait()  # the buffer's previous bucket has left
@@ -172,9 +182,20 @@ class WeightSender:
                     off += t.numel()
                 works[slot] = broadcast_bucket(flat, group, self.src, raw=raw, wait=False)
                 nbytes += flat.numel() * flat.element_size()
-        for w in works:
-            if w is not None:
-                w.wait()
+            except RuntimeError:
+                if not stopping.explains_failure():
+                    raise
+                sending = False
+        if self.is_src and not sending:
+            return None
+        try:
+            for w in works:
+                if w is not None:
+                    w.wait()
+        except RuntimeError:
+            if stopping.explains_failure():
+                return None
+            raise
         # broadcast time: from the header to the last bucket's arrival, less the gathers done meanwhile
         t_bcast = time.perf_counter() - t_header - (t_gather - t_gather_first)
         return PushStats(version, nbytes, t_gather, max(t_bcast, 0.0))

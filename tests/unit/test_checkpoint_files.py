@@ -66,3 +66,54 @@ def test_a_resumed_logger_drops_the_failed_attempts_later_steps(tmp_path):
     log.close()
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+FULL_DISK_SAVE = """
+import resource, signal, sys
+import torch, torch.distributed as dist
+from pipelinerl_fsdp.checkpoint import save_checkpoint
+
+folder, port = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+model = torch.nn.Linear(256, 256)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 256)).sum().backward()
+opt.step()
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+save_checkpoint(folder, 4, model, opt, sched, {"version": 4}, None, True)
+# From here on every write past 100 kB fails (EFBIG, as ENOSPC would on a full disk) instead of killing us
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+save_checkpoint(folder, 8, model, opt, sched, {"version": 8}, None, True)
+"""
+
+
+def test_a_save_that_cannot_write_names_the_folder_and_keeps_the_previous_checkpoint(tmp_path):
+    """A real failed write in the middle of a save (a file-size limit: the kernel refuses the write as it would on a
+    full disk): DCP's multi-line wrapped error becomes one that names the checkpoint and says the previous one is
+    intact, and the previous one is what a restart resumes from."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_SAVE, str(tmp_path), str(port)],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert "OSError: saving checkpoint" in last and str(tmp_path / "step-0000008") in last, r.stderr[-2000:]
+    assert f"the previous complete checkpoint in {tmp_path} is intact" in last and "rank 0:" in last, last
+    path, skipped = newest_intact(tmp_path)
+    assert path == tmp_path / "step-0000004" and damage(path) is None
+    assert skipped == [
+        f"checkpoint {tmp_path / 'step-0000008'} skipped: incomplete (no meta.json: the save did not finish)"
+    ]

@@ -5,8 +5,7 @@ import sys
 import time
 
 from pipelinerl_fsdp.inference.vllm_engine import versions_from_segments
-from pipelinerl_fsdp.processes import descendants
-from pipelinerl_fsdp.train import _stop_child_processes
+from pipelinerl_fsdp.processes import descendants, kill_descendants
 
 
 def test_versions_follow_the_boundaries():
@@ -33,7 +32,7 @@ def test_stopping_children_kills_the_whole_subtree():
         time.sleep(0.05)
     grandchildren = descendants(child.pid)
     assert grandchildren, "the grandchild did not start"
-    _stop_child_processes()
+    kill_descendants()
     assert child.wait(timeout=10) != 0
     for pid in grandchildren:
         deadline = time.time() + 10
