@@ -99,10 +99,8 @@ class Collector:
         want = self.rl.batch_size // self.rl.attempts
         self.buffer = self._drop_stale(self.buffer, version)  # leftovers may have aged past max_lag
         while len(self.buffer) < want:
-            got = self._get(timeout=1.0)
+            got = self._get(timeout=1.0, what="training finished")
             if got is None:
-                if self.source.finished():
-                    raise RuntimeError("all inference ranks stopped sending rollouts before training finished")
                 if time.perf_counter() - t0 > timeout_s:
                     raise TimeoutError(
                         f"no rollouts for {timeout_s:.0f} s (world.timeout_s): are the inference ranks alive?"
@@ -132,12 +130,16 @@ class Collector:
             return
         self.buffer += self._drop_stale([group], version)
 
-    def _get(self, timeout: float) -> tuple[int, Group | EvalReport, dict[str, float]] | None:
-        """The source's next item; `StopRequested` once the job is stopping (stopping.py), also in place of the
-        error of an inference rank lost to the stop."""
+    def _get(self, timeout: float, what: str) -> tuple[int, Group | EvalReport, dict[str, float]] | None:
+        """The source's next item (None: nothing within `timeout`); an error if it failed or every inference rank
+        ended before `what`; `StopRequested` once the job is stopping (stopping.py), also in place of such an
+        error when the stop explains it (the receiver fails, or ends, as the inference ranks die)."""
         stopping.raise_if_requested()
         try:
-            return self.source.get(timeout=timeout)
+            got = self.source.get(timeout=timeout)
+            if got is None and self.source.finished():
+                raise RuntimeError(f"every inference rank stopped sending before {what}")
+            return got
         except RuntimeError:
             if stopping.explains_failure():
                 stopping.raise_if_requested()
@@ -149,12 +151,10 @@ class Collector:
         t0 = time.perf_counter()
         while not done():
             try:
-                got = self._get(timeout=0.5)
+                got = self._get(timeout=0.5, what=what)
             except StopRequested:
                 return  # the engines are stopping too: what they have not reported will not come
             if got is not None:
                 self._take(got, version)
-            elif self.source.finished():
-                raise RuntimeError(f"the inference ranks stopped before {what}")
             elif time.perf_counter() - t0 > timeout_s:
                 raise TimeoutError(f"waited {timeout_s:.0f} s (world.timeout_s) for {what}")

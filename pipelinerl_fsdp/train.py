@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 import traceback
 
@@ -125,8 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         # Print the cause with the rank, then exit at once: a clean shutdown could block on collectives or
         # threads that wait for peers, and torchrun tears the other ranks down as soon as this one is gone.
         rank = os.environ.get("RANK", "0")
+        stop = stopping.requested()
         if isinstance(e, ConfigError):
             print(f"[rank {rank}] config error: {e}", file=sys.stderr, flush=True)
+        elif stop is not None:  # a peer that the same stop took down first: not this rank's failure
+            print(f"[rank {rank}] stopped by {signal.Signals(stop).name} ({type(e).__name__}: {e})", flush=True)
+            kill_descendants()
+            os._exit(128 + stop)
         else:
             print(f"[rank {rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         sys.stdout.flush()

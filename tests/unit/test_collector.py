@@ -115,10 +115,13 @@ def test_stream_positions_per_engine_for_resume():
     assert c.stream_next() == {"0": 4, "1": 5}  # newest group ids 2 (engine 0) and 3 (engine 1), stride 2
 
 
-def test_no_rollouts_is_a_named_error():
+def test_no_rollouts_is_a_named_error(monkeypatch):
+    from pipelinerl_fsdp import stopping
+
+    monkeypatch.setattr(stopping, "explains_failure", lambda wait_s=5.0: False)  # no stop signal comes
     src = FakeSource([])
     src.closed.set()
-    with pytest.raises(RuntimeError, match="stopped sending rollouts"):
+    with pytest.raises(RuntimeError, match="every inference rank stopped sending before training finished"):
         Collector(src, rl(), n_engines=1).next_batch(0, 5)
 
 

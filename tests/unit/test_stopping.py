@@ -97,8 +97,11 @@ def test_a_second_signal_and_a_non_graceful_rank_exit_at_once():
 
 
 class Source:
-    def __init__(self, error: bool = False) -> None:
-        self.error, self.calls = error, 0
+    """`error`: the receiver thread failed before the call; `ended`: it failed (or every sender left) while the
+    call waited, so the call returns nothing and the source is finished."""
+
+    def __init__(self, error: bool = False, ended: bool = False) -> None:
+        self.error, self.ended, self.calls = error, ended, 0
 
     def get(self, timeout: float):
         self.calls += 1
@@ -110,7 +113,7 @@ class Source:
         return 0
 
     def finished(self) -> bool:
-        return False
+        return self.ended
 
 
 def test_the_collector_stops_instead_of_waiting_for_rollouts(stopped):
@@ -126,11 +129,14 @@ def test_the_collector_stops_instead_of_waiting_for_rollouts(stopped):
     Collector(src, RLConfig(attempts=2, batch_size=4), n_engines=1).wait_for(lambda: False, 0, 60, "the evaluation")
 
 
-def test_a_peer_lost_to_the_stop_is_a_stop_and_otherwise_an_error(monkeypatch):
-    c = Collector(Source(error=True), RLConfig(attempts=2, batch_size=4), n_engines=1)
+@pytest.mark.parametrize("source", [Source(error=True), Source(ended=True)], ids=["failed", "ended-while-waiting"])
+def test_a_peer_lost_to_the_stop_is_a_stop_and_otherwise_an_error(monkeypatch, source):
+    c = Collector(source, RLConfig(attempts=2, batch_size=4), n_engines=1)
     monkeypatch.setattr(stopping, "explains_failure", lambda wait_s=5.0: False)
-    with pytest.raises(RuntimeError, match="receiver thread failed"):
+    with pytest.raises(RuntimeError, match="receiver thread failed|stopped sending before training finished"):
         c.next_batch(0, 60)
+    with pytest.raises(RuntimeError, match="receiver thread failed|stopped sending before the evaluation"):
+        c.wait_for(lambda: False, 0, 60, "the evaluation")
 
     def signal_arrives(wait_s: float = 5.0) -> bool:  # torchrun's SIGTERM comes just after the peer vanished
         monkeypatch.setattr(stopping, "_signal", signal.SIGTERM)
