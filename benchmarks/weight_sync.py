@@ -7,7 +7,9 @@ Run (2 processes: rank 0 = FSDP2 trainer, rank 1 = engine; gloo on CPU, NCCL on 
 For each model: `gather` (DTensor full_tensor on the trainer), `push` (sender: whole update), `pause` (receiver:
 header seen -> last bucket written into the engine's parameters; what an engine stalls for), and two baselines:
 `plain_bcast` (one broadcast of a flat tensor of the same bytes on the same group) and `memcpy` (a local copy).
-The target (docs/performance.md): pause within 1.5x of plain_bcast. Prints a table and writes JSON.
+`pause_over_plain` is the median over rounds of pause / plain_bcast, each round running the update and the plain
+broadcast back to back (the plain broadcast alone varies by tens of percent from run to run on a shared machine).
+The target (docs/performance.md): pause within 1.3x of plain_bcast. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def bench(flavour: str, repeats: int, world, bucket_mb: int, plain_group) -> dic
     model = build_model(args, device=dev, dtype=dtype, seed=0)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     group, src = world.weight_group, world.trainer_ranks[0]
-    res: dict[str, list[float]] = {"gather": [], "push": [], "pause": [], "plain_bcast": [], "memcpy": []}
+    res: dict[str, list[float]] = {"gather": [], "push": [], "pause": [], "plain_bcast": [], "memcpy": [], "ratio": []}
     send_buffers = 0
     if world.is_trainer:
         apply_fsdp(model, world.trainer_mesh, dtype, dtype)
@@ -78,6 +80,7 @@ def bench(flavour: str, repeats: int, world, bucket_mb: int, plain_group) -> dic
             dist.broadcast(flat, src, group=plain_group)
             if v:
                 res["plain_bcast"].append(time.perf_counter() - t0)
+                res["ratio"].append(res["pause"][-1] / res["plain_bcast"][-1])
             t0 = time.perf_counter()
             other.copy_(flat)
             if v:
@@ -85,8 +88,10 @@ def bench(flavour: str, repeats: int, world, bucket_mb: int, plain_group) -> dic
         rx.receive()  # the stop
     # Combine: the trainer knows gather/push, the engine pause/memcpy; both measured plain_bcast.
     mine = torch.tensor([median_ms(res[k]) if res[k] else 0.0 for k in res], dtype=torch.float64)
+    mine[list(res).index("ratio")] /= 1000  # a ratio, not a time
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-    row = dict(zip([f"{k}_ms" for k in res], mine.tolist()))
+    row = dict(zip([f"{k}_ms" for k in res if k != "ratio"], mine.tolist()))
+    ratio = mine[list(res).index("ratio")].item()
     shapes = [(n, p.shape) for n, p in model.named_parameters()]
     sizes = BucketLayout(shapes, dtype, bucket_mb * 1024**2).sizes
     row.update(
@@ -96,7 +101,8 @@ def bench(flavour: str, repeats: int, world, bucket_mb: int, plain_group) -> dic
         flavour=flavour,
         params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
         mbytes=round(nbytes / 1e6, 1),
-        pause_over_plain=row["pause_ms"] / max(row["plain_bcast_ms"], 1e-9),
+        # per round: the update and the plain broadcast run back to back, so both see the same machine state
+        pause_over_plain=ratio,
         pause_mb_per_s=nbytes / 1e6 / max(row["pause_ms"] / 1000, 1e-9),
     )
     return row
@@ -105,7 +111,7 @@ def bench(flavour: str, repeats: int, world, bucket_mb: int, plain_group) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--flavours", default="debug,small")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--out", default="benchmarks/results/weight_sync.json")
     a = ap.parse_args()

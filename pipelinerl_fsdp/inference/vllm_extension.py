@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 
 from pipelinerl_fsdp.faults import maybe_fail
 from pipelinerl_fsdp.processes import parent_of
@@ -111,9 +112,21 @@ class WeightUpdateExtension:
         """(name, tensor) of every parameter, each bucket received into the next free buffer when the loader
         asks for its first tensor."""
         layout = self._pl_layout
-        for b, size in enumerate(layout.sizes):
-            flat = self._pl_buffers[b % len(self._pl_buffers)][:size]
-            broadcast_bucket(flat, self._pl_group, 0, raw=True)
+
+        def post(b: int) -> tuple[torch.Tensor, dist.Work]:
+            flat = self._pl_buffers[b % len(self._pl_buffers)][: layout.sizes[b]]
+            work = broadcast_bucket(flat, self._pl_group, 0, raw=True, wait=False)
+            assert work is not None
+            return flat, work
+
+        nxt = post(0)
+        for b in range(len(layout.sizes)):
+            flat, work = nxt
+            work.wait()
+            if b + 1 < len(layout.sizes):
+                # the next bucket arrives while vLLM loads this one; its buffer held bucket b - 1, whose layers
+                # vLLM processed before asking for this bucket's first tensor
+                nxt = post(b + 1)
             if b == 0:
                 maybe_fail(getattr(self, "_pl_rank", -1), version, "core-update")
             for name, view in layout.views(b, flat):

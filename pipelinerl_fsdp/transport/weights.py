@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from pipelinerl_fsdp import stopping
 
@@ -149,7 +149,7 @@ class WeightSender:
     def push(self, version: int) -> PushStats | None:
         """Gather and broadcast all weights tagged with `version`.
 
-        Each bucket's shards are cast to the engine dtype before the all-gather (half the bytes for bf16), copied
+        Each bucket's shards are cast to the engine dtype before the all-gather (half the bytes for bf16), gathered
         into a send buffer and broadcast asynchronously, so the next bucket's gather overlaps this broadcast; at
         most IN_FLIGHT buckets are in flight. The header goes out only once the first bucket is gathered, so
         engines pause for the transfer, not for the trainers' all-gathers of that bucket.
@@ -161,9 +161,27 @@ class WeightSender:
         works: list[dist.Work | None] = [None] * len(self._flat)
         group, raw = (self.bucket_group, True) if self.bucket_group is not None else (self.group, False)
         sending = self.is_src and stopping.requested() is None
+        direct: list[dist.Work | None] = []  # buckets sent from the parameter itself
         for b, bucket in enumerate(self.buckets):
+            slot = b % max(len(self._flat), 1)
             t0 = time.perf_counter()
-            full = [self._gathered(self.params[i][1]) for i in bucket]
+            flat = self._as_is(bucket) if sending else None
+            if flat is None:
+                try:
+                    if sending and works[slot] is not None:
+                        works[slot].wait()  # the buffer's previous bucket has left
+                except RuntimeError:
+                    if not stopping.explains_failure():
+                        raise
+                    sending = False
+                flat = self._flat[slot][: self.sizes[b]] if sending else None
+                t0 = time.perf_counter()
+                off = 0
+                for i in bucket:
+                    p = self.params[i][1]
+                    out = flat[off : off + p.numel()].view(p.shape) if flat is not None else None
+                    self._gather_into(p, out)
+                    off += p.numel()
             t_gather += time.perf_counter() - t0
             if b == 0:
                 t_gather_first, t_header = t_gather, time.perf_counter()  # the engines' pause starts here
@@ -173,14 +191,11 @@ class WeightSender:
                 if b == 0:
                     self._header(UPDATE, version)
                     t_header = time.perf_counter()
-                slot = b % len(self._flat)
-                if works[slot] is not None:
-                    works[slot].wait()  # the buffer's previous bucket has left
-                flat, off = self._flat[slot][: self.sizes[b]], 0
-                for t in full:
-                    flat[off : off + t.numel()].copy_(t.reshape(-1))
-                    off += t.numel()
-                works[slot] = broadcast_bucket(flat, group, self.src, raw=raw, wait=False)
+                work = broadcast_bucket(flat, group, self.src, raw=raw, wait=False)
+                if flat.data_ptr() == self._flat[slot].data_ptr():
+                    works[slot] = work
+                else:
+                    direct.append(work)
                 nbytes += flat.numel() * flat.element_size()
             except RuntimeError:
                 if not stopping.explains_failure():
@@ -189,7 +204,7 @@ class WeightSender:
         if self.is_src and not sending:
             return None
         try:
-            for w in works:
+            for w in works + direct:
                 if w is not None:
                     w.wait()
         except RuntimeError:
@@ -200,11 +215,46 @@ class WeightSender:
         t_bcast = time.perf_counter() - t_header - (t_gather - t_gather_first)
         return PushStats(version, nbytes, t_gather, max(t_bcast, 0.0))
 
-    def _gathered(self, p: torch.Tensor) -> torch.Tensor:
-        """The full parameter in the engine dtype (cast on the local shard, before the all-gather)."""
+    def _as_is(self, bucket: list[int]) -> torch.Tensor | None:
+        """A bucket of one parameter that this rank holds whole, contiguous and in the engine dtype (a 1-rank
+        trainer in fp32: the embeddings, the head) is broadcast from the parameter itself, with no copy; the
+        parameters do not change until `push` returns. None: gather it into a send buffer."""
+        if len(bucket) != 1:
+            return None
+        p = self.params[bucket[0]][1].detach()
         if isinstance(p, DTensor):
-            return p.detach().to(self.dtype).full_tensor()
-        return p.detach().to(self.dtype)
+            if p.device_mesh.size() != 1:
+                return None
+            p = p.to_local()
+        if p.dtype != self.dtype or not p.is_contiguous() or p.device != self.device:
+            return None
+        return p.view(-1)
+
+    def _gather_into(self, p: torch.Tensor, out: torch.Tensor | None) -> None:
+        """Gather parameter `p` in the engine dtype (cast on the local shard, before the all-gather) into `out` (a
+        view of the send buffer on the source; None elsewhere: a scratch tensor).
+
+        An evenly dim-0-sharded DTensor is all-gathered straight into `out`, so the source copies each byte once
+        (a `full_tensor()` and then a copy into the send buffer cost a second pass over the model, which on CPU
+        showed up in the engines' pause: benchmarks/weight_sync.py). Other layouts go through `full_tensor()`."""
+        if out is None:
+            out = torch.empty(p.shape, dtype=self.dtype, device=self.device)
+        if isinstance(p, DTensor):
+            mesh, local = p.device_mesh, p.to_local()
+            even = (
+                mesh.ndim == 1
+                and p.placements == (Shard(0),)
+                and p.shape[0] % mesh.size() == 0
+                and local.shape[0] == p.shape[0] // mesh.size()
+            )
+            if mesh.size() == 1:
+                out.copy_(local.detach().view(p.shape))  # gloo's all-gather copies ~10x slower than a memcpy
+            elif even:
+                dist.all_gather_into_tensor(out, local.detach().to(self.dtype).contiguous(), group=mesh.get_group())
+            else:
+                out.copy_(p.detach().to(self.dtype).full_tensor())
+        else:
+            out.copy_(p.detach())
 
     def stop(self) -> None:
         """Tell every receiver that no more updates will come."""
@@ -291,6 +341,13 @@ class WeightReceiver:
 
         Each bucket lands in the bound parameters (see `bind`) or, with `staged` or when unbound, in a scratch
         buffer handed to `load`."""
+        if self._bound and not staged and load is None:
+            # every bucket has its own place: post them all, so no bucket waits for the previous one's wake-up
+            works = [broadcast_bucket(buf, self.group, self.src, raw=False, wait=False) for buf in self._bound]
+            for w in works:
+                assert w is not None
+                w.wait()
+            return
         for b, size in enumerate(self.layout.sizes):
             if self._bound and not staged:
                 buf = self._bound[b]
