@@ -4,7 +4,9 @@ Run (2 processes: rank 0 = FSDP2 trainer, rank 1 = engine; gloo on CPU, NCCL on 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/weight_sync.py \
         --flavours debug,small --repeats 5 --out benchmarks/results/weight_sync.json
 
-For each model: `gather` (DTensor full_tensor on the trainer), `push` (sender: whole update), `pause` (receiver:
+For each model: `sender_peak_mb` / `receiver_peak_mb` (the peak extra host memory of each side, measured from before
+the sender / bound receiver exists through the first update: send buffers, the bound receiver's transient bucket),
+`gather` (DTensor full_tensor on the trainer), `push` (sender: whole update), `pause` (receiver:
 header seen -> last bucket written into the engine's parameters; what an engine stalls for), and two baselines:
 `plain_bcast` (one broadcast of a flat tensor of the same bytes on the same group) and `memcpy` (a local copy).
 `pause_over_plain` is the median over rounds of pause / plain_bcast, each round running the update and the plain
@@ -24,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl_fsdp.config import load_config
+from pipelinerl_fsdp.host_memory import PeakAnon
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.parallelize import apply_fsdp
-from pipelinerl_fsdp.transport.weights import IN_FLIGHT, BucketLayout, WeightReceiver, WeightSender
+from pipelinerl_fsdp.transport.weights import BucketLayout, WeightReceiver, WeightSender, slot_sizes
 from pipelinerl_fsdp.world import init_world
 
 
@@ -43,15 +46,20 @@ def bench(flavour: str, repeats: int, world, bucket_mb: int, plain_group) -> dic
     group, src = world.weight_group, world.trainer_ranks[0]
     res: dict[str, list[float]] = {"gather": [], "push": [], "pause": [], "plain_bcast": [], "memcpy": [], "ratio": []}
     send_buffers = 0
+    # peak extra host memory of each side: from before the sender / receiver exists through the first update
+    mem = PeakAnon()
     if world.is_trainer:
         apply_fsdp(model, world.trainer_mesh, dtype, dtype)
+        flat = torch.randn(nbytes // 4, device=dev)
+        mem.__enter__()
         sender = WeightSender(model, group, src, world.is_main, dtype, dev, bucket_mb * 1024**2)
         send_buffers = sum(b.numel() * b.element_size() for b in sender._flat)
-        flat = torch.randn(nbytes // 4, device=dev)
         for v in range(repeats + 1):
             dist.barrier()
             t0 = time.perf_counter()
             stats = sender.push(v + 1)
+            if v == 0:
+                mem.__exit__(None, None, None)
             if v:  # the first round warms up
                 res["push"].append(time.perf_counter() - t0)
                 res["gather"].append(stats.gather_s)
@@ -63,16 +71,19 @@ def bench(flavour: str, repeats: int, world, bucket_mb: int, plain_group) -> dic
         sender.stop()
     else:
         params = dict(model.named_parameters())
+        flat = torch.zeros(nbytes // 4, device=dev)
+        other = torch.zeros_like(flat)
+        mem.__enter__()
         rx = WeightReceiver([(n, p.shape) for n, p in params.items()], group, src, dtype, dev, bucket_mb * 1024**2)
         rx.bind(params)
-        flat = torch.empty(nbytes // 4, device=dev)
-        other = torch.empty_like(flat)
         for v in range(repeats + 1):
             dist.barrier()
             while not rx.pending():  # what the engine does between decode steps
                 time.sleep(0.0002)
             t0 = time.perf_counter()
             rx.receive()
+            if v == 0:
+                mem.__exit__(None, None, None)
             if v:
                 res["pause"].append(time.perf_counter() - t0)
             dist.barrier()
@@ -90,6 +101,9 @@ def bench(flavour: str, repeats: int, world, bucket_mb: int, plain_group) -> dic
     mine = torch.tensor([median_ms(res[k]) if res[k] else 0.0 for k in res], dtype=torch.float64)
     mine[list(res).index("ratio")] /= 1000  # a ratio, not a time
     dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    peaks = torch.zeros(2, dtype=torch.float64)
+    peaks[0 if world.is_trainer else 1] = mem.grown / 1e6
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
     row = dict(zip([f"{k}_ms" for k in res if k != "ratio"], mine.tolist()))
     ratio = mine[list(res).index("ratio")].item()
     shapes = [(n, p.shape) for n, p in model.named_parameters()]
@@ -97,7 +111,9 @@ def bench(flavour: str, repeats: int, world, bucket_mb: int, plain_group) -> dic
     row.update(
         # extra memory of the sync: the sender's send buffers; a vLLM worker's receive buffers (the same bound)
         sender_buffers_mb=round(send_buffers / 1e6, 1),
-        worker_buffers_mb=round(min(IN_FLIGHT, len(sizes)) * max(sizes) * 4 / 1e6, 1),
+        sender_peak_mb=round(peaks[0].item(), 1),
+        receiver_peak_mb=round(peaks[1].item(), 1),
+        worker_buffers_mb=round(sum(slot_sizes(sizes)) * 4 / 1e6, 1),
         flavour=flavour,
         params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
         mbytes=round(nbytes / 1e6, 1),
@@ -134,6 +150,8 @@ def main() -> None:
             "pause_mb_per_s",
             "sender_buffers_mb",
             "worker_buffers_mb",
+            "sender_peak_mb",
+            "receiver_peak_mb",
         ]
         print("| " + " | ".join(cols) + " |")
         print("|" + "---|" * len(cols))

@@ -15,12 +15,14 @@ trainer (FSDP2 over all trainer ranks): fp32 parameter, gradient and AdamW shard
   counted from the code as 7H + 2KV + heads + 4I + 2 head_dim + 2 elements (H hidden, I MLP, KV the key/value
   width; `tests/unit/test_plan.py` checks it against what autograd keeps), or, with activation checkpointing,
   each checkpointed block's input (H) plus one block recomputed during the backward pass; the log-prob chunks
-  (three chunk x vocab fp32 buffers) and the final hidden states; the weight sync (one bucket gathered in the engine
-  dtype on every trainer rank, two send buffers of a bucket on the first; a bucket is `world.weight_bucket_mb`,
-  at least one decoder block).
+  (three chunk x vocab fp32 buffers) and the final hidden states; attention's per-document outputs and their
+  concatenation for one layer; the weight sync in the engine dtype, from the exact bucket layout (buckets of whole
+  layers up to `world.weight_bucket_mb`; the first trainer's two send slots, each the largest bucket it carries;
+  the largest parameter gathered on every other trainer). Host memory while loading: the largest tensor's rows
+  converted from the file's dtype (the files are memory-mapped; the shards go straight to the GPU).
 engine (vLLM): `gpu_memory_utilization` of the GPU for weights, activations and KV cache (activations and CUDA
   graphs are taken as 2 GiB: vLLM's profile decides the exact number at start-up); on top of it the weight sync's
-  two receive buffers of a bucket and a copy of the vocabulary layers (embeddings, head) during an update; and how
+  two receive slots and a copy of the vocabulary layers (embeddings, head) during an update; and how
   many KV-cache tokens fit next to the weights, against `max_num_seqs` x `max_model_len`.
 Every GPU also loses ~1.5 GiB to the CUDA context and the allocator. The plan fails when a GPU's total exceeds its
 memory, when an engine cannot hold one full-length sequence, or when a node has fewer GPUs than its ranks need.
@@ -34,7 +36,7 @@ from pathlib import Path
 from pipelinerl_fsdp.config import Config, ConfigError
 from pipelinerl_fsdp.models.args import ModelArgs, flavour_args
 from pipelinerl_fsdp.models.hf_io import read_model_args
-from pipelinerl_fsdp.transport.weights import IN_FLIGHT
+from pipelinerl_fsdp.transport.weights import layer_buckets, slot_sizes
 
 GIB = 1 << 30
 CUDA_CONTEXT_GIB = 1.5
@@ -58,6 +60,71 @@ def block_activation_elements(args: ModelArgs) -> int:
     hd = args.head_dim or args.hidden_size // args.num_attention_heads
     kv = args.num_key_value_heads * hd
     return 7 * args.hidden_size + 2 * kv + args.num_attention_heads + 4 * args.intermediate_size + 2 * hd + 2
+
+
+def parameter_sizes(args: ModelArgs) -> list[tuple[str, int]]:
+    """(name, elements) of every parameter in `named_parameters()` order: the model built on the meta device."""
+    import torch
+
+    from pipelinerl_fsdp.models.decoder import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    return [(n, p.numel()) for n, p in model.named_parameters()]
+
+
+def weight_sync_buffers(cfg: Config, args: ModelArgs, sent_as_is: bool) -> tuple[int, int, int]:
+    """Bytes of (the first trainer's send buffers, an engine worker's receive buffers, the largest parameter) in
+    the engine dtype, from the exact bucket layout (`transport/weights.py`). `sent_as_is`: one-tensor buckets go
+    from the parameter itself (a single trainer whose parameters are in the engine dtype) and need no buffer."""
+    ebytes = engine_dtype_bytes(cfg)
+    sizes = parameter_sizes(args)
+    buckets = layer_buckets(sizes, ebytes, cfg.world.weight_bucket_mb * (1 << 20))
+    elements = [sum(sizes[i][1] for i in b) for b in buckets]
+    used = [not (sent_as_is and len(b) == 1) for b in buckets]
+    return (
+        sum(slot_sizes(elements, used)) * ebytes,
+        sum(slot_sizes(elements)) * ebytes,
+        max(n for _, n in sizes) * ebytes,
+    )
+
+
+def engine_dtype_bytes(cfg: Config) -> int:
+    """Bytes per element of the engines' weights (and of the weight sync): "auto" is bf16 on GPU."""
+    return 2 if cfg.inference.dtype == "auto" else DTYPE_BYTES[cfg.inference.dtype]
+
+
+def file_dtype_bytes(cfg: Config) -> int:
+    """Bytes per element in `model.path`'s safetensors (config.json's dtype); public checkpoints are bf16."""
+    config_json = Path(cfg.model.path) / "config.json" if cfg.model.path else None
+    if config_json is not None and config_json.is_file():
+        import json
+
+        meta = json.loads(config_json.read_text())
+        return DTYPE_BYTES.get(meta.get("torch_dtype") or meta.get("dtype") or "bfloat16", 2)
+    return 2
+
+
+def load_host_memory(
+    args: ModelArgs, n_ranks: int, file_bytes: int, param_bytes: int, on_gpu: bool
+) -> dict[str, float]:
+    """Host bytes per rank while `policy.load_sharded` fills its shards: its shard of every parameter when the
+    shards live on the host (CPU), and, when the file's dtype differs from the parameters', the largest tensor's
+    rows converted on the host. The rows as read are views of the memory-mapped files (page cache, shared and
+    reclaimable), not this rank's memory (measured: `benchmarks/memory_vs_plan.py`)."""
+    largest = max(n for _, n in parameter_sizes(args))
+    rows = -(-largest // n_ranks)
+    return {
+        "shard of every parameter": 0.0 if on_gpu else args.num_params() * param_bytes / n_ranks,
+        "largest tensor's rows, converted": rows * param_bytes if file_bytes != param_bytes else 0.0,
+    }
+
+
+def attention_extra_bytes(args: ModelArgs, tokens: int, pbytes: int) -> float:
+    """Memory of attention over a packed row beyond q, k, v: each document's output, then their concatenation (the
+    per-document kernels keep only a log-sum-exp per head and token besides)."""
+    hd = args.head_dim or args.hidden_size // args.num_attention_heads
+    return tokens * args.num_attention_heads * (2 * hd * pbytes + 4)
 
 
 @dataclass
@@ -99,9 +166,9 @@ def trainer_memory(cfg: Config, args: ModelArgs, n_trainers: int, checkpointing:
     pbytes = 4 if tr.param_dtype == "float32" else 2  # "auto" on GPU: bf16
     fp32_head = tr.fp32_head == "on" or (tr.fp32_head == "auto" and pbytes < 4)
     rbytes = DTYPE_BYTES[tr.reduce_dtype]
-    ebytes = 2 if cfg.inference.dtype == "auto" else DTYPE_BYTES[cfg.inference.dtype]
+    ebytes = engine_dtype_bytes(cfg)
     t = tr.micro_batch_tokens
-    bucket = max(cfg.world.weight_bucket_mb * (1 << 20), block * ebytes)  # a bucket holds at least one block
+    send, _, largest = weight_sync_buffers(cfg, args, sent_as_is=n_trainers == 1 and pbytes == ebytes)
     act = block_activation_elements(args) * pbytes
     if checkpointing:
         every = tr.ac_every
@@ -118,9 +185,10 @@ def trainer_memory(cfg: Config, args: ModelArgs, n_trainers: int, checkpointing:
         f"root: embeddings + head ({'fp32' if fp32_head else 'param dtype'})": root * (4 if fp32_head else pbytes),
         "unsharded gradients (defer_grad_sync)": 4 * p if tr.defer_grad_sync else 0.0,
         f"activations ({t} tokens, {'checkpointed' if checkpointing else 'no checkpointing'})": activations,
+        "attention: document outputs + their concatenation (one layer)": attention_extra_bytes(args, t, pbytes),
         "log-prob chunks + final hidden": 3 * tr.logprob_chunk_size * v * 4 + t * h * 4,
-        "weight sync: gathered bucket (engine dtype)": min(bucket, p * ebytes),
-        "weight sync: send buffers (first trainer)": min(IN_FLIGHT * bucket, p * ebytes),
+        "weight sync: send buffers (first trainer)": send,
+        "weight sync: one gathered parameter outside the buffers": largest if n_trainers > 1 else 0.0,
         "CUDA context, allocator": CUDA_CONTEXT_GIB * GIB,
     }
     return out
@@ -131,11 +199,11 @@ def engine_memory(cfg: Config, args: ModelArgs, max_model_len: int) -> tuple[dic
     inf = cfg.inference
     tp = inf.tensor_parallel_size
     gpu = cfg.plan.gpu_memory_gib * GIB
-    ebytes = 2 if inf.dtype == "auto" else DTYPE_BYTES[inf.dtype]
+    ebytes = engine_dtype_bytes(cfg)
     p = args.num_params()
-    h, v, layers = args.hidden_size, args.vocab_size, args.num_hidden_layers
+    h, v = args.hidden_size, args.vocab_size
     root = v * h * (1 if args.tie_word_embeddings else 2) + h
-    bucket = max(cfg.world.weight_bucket_mb * (1 << 20), (p - root) / layers * ebytes)
+    _, receive, _ = weight_sync_buffers(cfg, args, sent_as_is=False)
     weights = p * ebytes / tp
     hd = args.head_dim or args.hidden_size // args.num_attention_heads
     kv_per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * hd * ebytes / tp
@@ -146,8 +214,7 @@ def engine_memory(cfg: Config, args: ModelArgs, max_model_len: int) -> tuple[dic
         "  of which weights": weights,
         "  of which activations, CUDA graphs (est.)": VLLM_ACTIVATIONS_GIB * GIB,
         "  of which KV cache": kv,
-        "weight sync: receive buffers (2 buckets) + vocabulary copies": min(IN_FLIGHT * bucket, p * ebytes)
-        + root * ebytes,
+        "weight sync: receive buffers (2 slots) + vocabulary copies": receive + root * ebytes,
         "CUDA context, allocator": CUDA_CONTEXT_GIB * GIB,
     }
     return items, int(kv // kv_per_token), inf.max_num_seqs * max_model_len
@@ -214,6 +281,8 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
     lines.append(f"| **total** | **{_total(chosen) / GIB:.2f}** of {pl.gpu_memory_gib:g} |")
     other = "with" if not ac else "without"
     lines.append(f"| (total {other} activation checkpointing) | {_total(ckpt if not ac else plain) / GIB:.2f} |")
+    host = sum(load_host_memory(args, n_trainers, file_dtype_bytes(cfg), 4, on_gpu=True).values())
+    lines.append(f"| (host memory per trainer rank while loading its shards; not on the GPU) | {host / GIB:.2f} |")
     if _total(chosen) > gpu:
         problems.append(
             f"a trainer GPU needs {_total(chosen) / GIB:.1f} GiB of {pl.gpu_memory_gib:g} (lower "

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pipelinerl_fsdp.faults import maybe_fail
 from pipelinerl_fsdp.processes import parent_of
 from pipelinerl_fsdp.transport.store_group import join_store_group
-from pipelinerl_fsdp.transport.weights import IN_FLIGHT, BucketLayout, broadcast_bucket, in_decoder_layer
+from pipelinerl_fsdp.transport.weights import BucketLayout, broadcast_bucket, in_decoder_layer, slot_sizes
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
@@ -66,12 +66,11 @@ class WeightUpdateExtension:
         self._pl_layout = BucketLayout(
             [(n, torch.Size(s)) for n, s in names_and_shapes], getattr(torch, dtype), bucket_bytes
         )
-        # Streaming: IN_FLIGHT receive buffers of the largest bucket, reused round robin while vLLM's loader copies
-        # each bucket into the model (buckets hold whole layers, so a layer's tensors are consumed before its
-        # buffer is reused). Allocated now, before the first update, at a bounded size.
-        n_buf = min(IN_FLIGHT, len(self._pl_layout.sizes))
+        # Streaming: IN_FLIGHT receive buffers, reused round robin while vLLM's loader copies each bucket into the
+        # model (buckets hold whole layers, so a layer's tensors are consumed before its buffer is reused).
+        # Allocated now, before the first update, at a bounded size (`slot_sizes`).
         self._pl_buffers = [
-            torch.empty(max(self._pl_layout.sizes), dtype=self._pl_layout.dtype, device=device) for _ in range(n_buf)
+            torch.empty(n, dtype=self._pl_layout.dtype, device=device) for n in slot_sizes(self._pl_layout.sizes)
         ]
         self._pl_staged: list[torch.Tensor] = []  # async mode only: a whole update kept until it is loaded
         self._pl_device = device

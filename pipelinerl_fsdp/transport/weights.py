@@ -62,6 +62,17 @@ def layer_buckets(names_and_numel: list[tuple[str, int]], element_size: int, buc
     return buckets
 
 
+def slot_sizes(sizes: list[int], used: list[bool] | None = None) -> list[int]:
+    """Elements of each of the IN_FLIGHT buffers that bucket `b` (of `sizes[b]` elements) reuses as slot
+    `b % IN_FLIGHT`: the largest bucket landing there (`used[b]` false: that bucket needs no buffer). Sized per
+    slot, not all at the largest bucket, so one big unit (a 150k-row embedding) is held once, not twice."""
+    n = min(IN_FLIGHT, len(sizes))
+    return [
+        max((size for b, size in enumerate(sizes) if b % n == slot and (used is None or used[b])), default=0)
+        for slot in range(n)
+    ]
+
+
 class BucketLayout:
     """Which parameters travel in which flat bucket, and their views into a received bucket."""
 
@@ -137,8 +148,12 @@ class WeightSender:
         # a fresh multi-100-MB tensor per push cost more (allocation, page faults) than the broadcast itself
         # (measured: benchmarks/weight_sync.py); bounded, so that no rank ever holds a copy of the whole model.
         self.sizes = [sum(sizes[i][1] for i in b) for b in self.buckets]
-        n_buf = min(IN_FLIGHT, len(self.buckets))
-        self._flat = [torch.empty(max(self.sizes), dtype=dtype, device=device) for _ in range(n_buf)] if is_src else []
+        self._direct = [self._as_is(b) is not None for b in self.buckets]
+        self._flat = (
+            [torch.empty(n, dtype=dtype, device=device) for n in slot_sizes(self.sizes, [not d for d in self._direct])]
+            if is_src
+            else []
+        )
 
     def _header(self, kind: int, version: int) -> None:
         if self.is_src:
@@ -165,7 +180,7 @@ class WeightSender:
         for b, bucket in enumerate(self.buckets):
             slot = b % max(len(self._flat), 1)
             t0 = time.perf_counter()
-            flat = self._as_is(bucket) if sending else None
+            flat = self._as_is(bucket) if sending and self._direct[b] else None
             if flat is None:
                 try:
                     if sending and works[slot] is not None:
@@ -192,10 +207,10 @@ class WeightSender:
                     self._header(UPDATE, version)
                     t_header = time.perf_counter()
                 work = broadcast_bucket(flat, group, self.src, raw=raw, wait=False)
-                if flat.data_ptr() == self._flat[slot].data_ptr():
-                    works[slot] = work
-                else:
+                if self._direct[b]:
                     direct.append(work)
+                else:
+                    works[slot] = work
                 nbytes += flat.numel() * flat.element_size()
             except RuntimeError:
                 if not stopping.explains_failure():

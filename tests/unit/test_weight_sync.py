@@ -16,3 +16,28 @@ def test_buckets_keep_layers_whole_and_respect_the_limit():
             assert all(i in b for i, (n, _) in enumerate(names) if n.startswith(f"model.layers.{layer}."))
         assert sum(names[i][1] for i in b) <= 150
     assert len(buckets) >= 4
+
+
+def test_each_buffer_slot_is_as_large_as_the_largest_bucket_it_carries():
+    from pipelinerl_fsdp.transport.weights import slot_sizes
+
+    # an embedding bucket (100) then layer buckets (30, 40, 30) then the head (100): slots alternate 0, 1, 0, 1, 0
+    assert slot_sizes([100, 30, 40, 30, 100]) == [100, 30]
+    # buckets sent from the parameter itself need no slot
+    assert slot_sizes([100, 30, 40, 30, 100], [False, True, True, True, False]) == [40, 30]
+    assert slot_sizes([7]) == [7]
+
+
+def test_the_plan_holds_a_7b_vocabulary_bucket_once_not_twice():
+    from pipelinerl_fsdp.config import load_config
+    from pipelinerl_fsdp.models import flavour_args
+    from pipelinerl_fsdp.plan import weight_sync_buffers
+
+    cfg = load_config(["--config", "math", "--job.stage=plan"])
+    args = flavour_args("qwen2.5-7b")
+    send, receive, largest = weight_sync_buffers(cfg, args, sent_as_is=False)
+    vocab = args.vocab_size * args.hidden_size * 2  # bf16 embedding = head (untied), each its own bucket
+    assert largest == vocab
+    # slot 0 carries the embedding (first bucket); the head lands in one slot too: at most 2 x vocab, at least vocab
+    # plus a layer bucket, and not the 2 x 2 x vocab of two slots each the size of the largest bucket times two
+    assert vocab < send <= 2 * vocab and receive == send

@@ -1,0 +1,300 @@
+"""Peak host memory measured on CPU for scaled-down shapes, next to what the memory plan (`pipelinerl_fsdp/plan.py`,
+`--job.stage=plan`) predicts for the same shapes. The plan sizes 7B jobs on GPUs no session can try; this checks
+its formulas where they can be measured.
+
+    python benchmarks/memory_vs_plan.py [--quick] [--out benchmarks/results/memory_vs_plan.json]
+
+Each item runs in a fresh process (two ranks under torchrun where the item has two sides); the measured number is
+the peak growth of the process's anonymous resident memory over the item (`pipelinerl_fsdp/host_memory.py`: the
+page cache of memory-mapped files left out, freed heap given back before the baseline; large allocations go
+through mmap so that a freed tensor leaves the process). Items, fp32:
+
+- load: per-rank peak while `policy.load_sharded` fills 2 FSDP2 ranks from a 4-shard folder.
+- step, activation checkpointing off / full: forward + backward of one packed micro-batch (4 documents) through a
+  1-rank FSDP2 model with chunked log-probs, after a warm-up step (optimizer state exists, gradients freed).
+- attention: one 16k-token row of 16 documents through `document_attention` (forward).
+- weight sync, sender / receiver: the first update through the first trainer rank's `WeightSender` and through a
+  vLLM worker's receive path (`WeightUpdateExtension`, with a stand-in for vLLM's model runner that keeps the
+  vocabulary tensors until the end of the update, as vLLM's layerwise reload does).
+Prints a table (plan MB, measured MB, measured / plan) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipelinerl_fsdp.config import load_config  # noqa: E402
+from pipelinerl_fsdp.host_memory import PeakAnon  # noqa: E402
+from pipelinerl_fsdp.models import build_model, flavour_args  # noqa: E402
+from pipelinerl_fsdp.models.args import ModelArgs  # noqa: E402
+from pipelinerl_fsdp.plan import (  # noqa: E402
+    attention_extra_bytes,
+    load_host_memory,
+    trainer_memory,
+    weight_sync_buffers,
+)
+
+MB = 1 << 20
+# the 1-process items run without torchrun; init_world makes a 1-rank gloo group
+BASE_ARGS = [
+    "--config",
+    "arithmetic",
+    "--job.stage=warmstart",
+    "--job.threads_per_rank=1",
+    "--trainer.param_dtype=float32",
+    "--trainer.reduce_dtype=float32",
+    "--trainer.fp32_head=off",
+    "--inference.dtype=float32",
+]
+
+
+def step_shape(quick: bool) -> tuple[ModelArgs, int]:
+    """A model whose activations dominate a step (as at 7B with long rows), and the micro-batch's tokens."""
+    args = flavour_args(
+        "debug",
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=4,
+    )
+    return args, 2048 if quick else 4096
+
+
+def sync_args(quick: bool) -> ModelArgs:
+    return flavour_args("small", vocab_size=8192 if quick else 32768)
+
+
+def result(**kw: object) -> None:
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def item_step(checkpointing: str, quick: bool) -> None:
+    from pipelinerl_fsdp.policy import build_policy, shard
+    from pipelinerl_fsdp.world import init_world
+
+    args, tokens = step_shape(quick)
+    cfg = load_config(
+        [
+            *BASE_ARGS,
+            "--world.inference_ranks=0",
+            f"--trainer.micro_batch_tokens={tokens}",
+            f"--trainer.activation_checkpointing={checkpointing}",
+        ]
+    )
+    world = init_world(cfg)
+    torch.set_num_threads(1)
+    model = shard(build_model(args, seed=0), world, cfg.trainer)
+    policy = build_policy(model, cfg.trainer.optimizer, 10)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, args.vocab_size, (1, tokens), generator=gen)
+    pos = torch.arange(tokens // 4).repeat(4)[None]  # 4 packed documents
+    targets = torch.randint(0, args.vocab_size, (1, tokens), generator=gen)
+
+    def fwd_bwd() -> None:
+        logp, _ = model(ids, pos, targets=targets, logprob_chunk_size=cfg.trainer.logprob_chunk_size)
+        logp.sum().backward()
+
+    fwd_bwd()
+    policy.step()
+    policy.optimizer.zero_grad(set_to_none=True)
+    with PeakAnon() as m:
+        fwd_bwd()
+    plan = trainer_memory(cfg, args, 1, checkpointing == "full")
+    in_step = [
+        k
+        for k in plan
+        if k.startswith(("activations", "attention", "log-prob", "gradients", "gathered blocks", "root"))
+    ]
+    result(
+        item=f"step, activation checkpointing {checkpointing} ({tokens} tokens)",
+        plan_mb=sum(plan[k] for k in in_step) / MB,
+        measured_mb=m.grown / MB,
+        plan_items={k: round(plan[k] / MB, 1) for k in in_step},
+    )
+
+
+def item_attention(quick: bool) -> None:
+    from pipelinerl_fsdp.models.decoder import Documents, document_attention
+
+    torch.set_num_threads(1)
+    tokens, docs = (8192 if quick else 16384), 16
+    args = flavour_args("debug", hidden_size=512, num_attention_heads=8, num_key_value_heads=8, vocab_size=64)
+    hd = args.head_dim or args.hidden_size // args.num_attention_heads
+    q, k, v = (torch.randn(1, args.num_attention_heads, tokens, hd) for _ in range(3))
+    pos = torch.arange(tokens // docs).repeat(docs)[None]
+    spans = Documents.from_positions(pos)
+    with torch.no_grad(), PeakAnon() as m:
+        out = document_attention(q, k, v, spans, False)
+    del out
+    result(
+        item=f"attention, one {tokens}-token row of {docs} documents",
+        plan_mb=attention_extra_bytes(args, tokens, 4) / MB,
+        measured_mb=m.grown / MB,
+    )
+
+
+def item_load(folder: Path, quick: bool) -> None:
+    import torch.distributed as dist
+
+    from pipelinerl_fsdp.models import save_hf_folder
+    from pipelinerl_fsdp.policy import load_sharded
+    from pipelinerl_fsdp.world import init_world
+
+    cfg = load_config([*BASE_ARGS, "--world.inference_ranks=0"])
+    world = init_world(cfg)
+    args = sync_args(quick)
+    if world.rank == 0:
+        model = build_model(args, seed=3)
+        save_hf_folder(folder, args, model.state_dict(), max_shard_bytes=args.num_params() * 4 // 3)
+        del model
+    else:  # the same one-time initialisations (torch's generator, safetensors) as rank 0, outside the measurement
+        tiny = flavour_args("debug", vocab_size=64)
+        save_hf_folder(folder.with_name("warm-up"), tiny, build_model(tiny, seed=3).state_dict())
+    dist.barrier()
+    with PeakAnon() as m:
+        model = load_sharded(folder, world, cfg.trainer)
+    n = world.trainer_mesh.size()
+    plan = load_host_memory(args, n, 4, 4, on_gpu=False)
+    files = len(list(folder.glob("*.safetensors")))
+    result(
+        item=f"load, rank {world.rank} of {n}, {files}-shard folder, {args.num_params() * 4 / MB:.0f} MB model",
+        plan_mb=sum(plan.values()) / MB,
+        measured_mb=m.grown / MB,
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _ModelRunner:
+    """Stands in for vLLM's model runner in `WeightUpdateExtension._load`: copies each streamed tensor into the
+    engine's parameter, and (as vLLM's layerwise reload does) keeps the vocabulary tensors until the update ends."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        self.params = params
+        self.requests: dict = {}
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format: bool) -> None:
+        from pipelinerl_fsdp.transport.weights import in_decoder_layer
+
+        held = []
+        for name, t in weights_iterator:
+            self.params[name].copy_(t)
+            if not in_decoder_layer(name):
+                held.append(t)
+        held.clear()
+
+
+def item_sync(quick: bool) -> None:
+    import torch.distributed as dist
+
+    from pipelinerl_fsdp.inference.vllm_extension import WeightUpdateExtension
+    from pipelinerl_fsdp.parallelize import apply_fsdp
+    from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
+    from pipelinerl_fsdp.transport.weights import WeightReceiver, WeightSender
+    from pipelinerl_fsdp.world import init_world
+
+    cfg = load_config([*BASE_ARGS, "--world.inference_ranks=1"])
+    world = init_world(cfg)
+    torch.set_num_threads(1)
+    args = sync_args(quick)
+    bucket = cfg.world.weight_bucket_mb * MB
+    model = build_model(args, seed=0)
+    layout = [(n, list(p.shape)) for n, p in model.named_parameters()]
+    send, receive, _ = weight_sync_buffers(cfg, args, sent_as_is=True)
+    root = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("model.layers."))
+    if world.is_trainer:
+        apply_fsdp(model, world.trainer_mesh, torch.float32, torch.float32)
+        with PeakAnon() as m:
+            group = join_store_group(*store_address(), "mem_sync", 0, 2, "gloo", torch.device("cpu"), 120)
+            sender = WeightSender(model, world.weight_group, 0, True, torch.float32, torch.device("cpu"), bucket, group)
+            sender.push(1)
+        result(item="weight sync, sender (first trainer rank)", plan_mb=send / MB, measured_mb=m.grown / MB)
+    else:
+        # the inference rank takes the header on the weight group; the worker (here the same process) the buckets
+        headers = WeightReceiver(layout, world.weight_group, 0, torch.float32, torch.device("cpu"), bucket)
+        worker = WeightUpdateExtension()
+        worker.model_runner = _ModelRunner(dict(model.named_parameters()))  # type: ignore[attr-defined]
+        with torch.no_grad(), PeakAnon() as m:
+            worker.join_weight_group(*store_address(), 1, 2, "gloo", 120, layout, "float32", bucket, "mem_sync")
+            headers.wait_header()
+            worker.receive_weight_update(load=True)
+        result(
+            item="weight sync, receiver (a vLLM worker)",
+            plan_mb=(receive + root) / MB,
+            measured_mb=m.grown / MB,
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_item(name: str, quick: bool, tmp: Path) -> list[dict]:
+    """Run one item in a fresh process (under torchrun for the two-rank ones); its RESULT lines."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    me = [str(Path(__file__).resolve()), "--item", name, "--tmp", str(tmp)] + (["--quick"] if quick else [])
+    if name in ("load", "sync"):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *me]
+    else:
+        cmd = [sys.executable, *me]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    rows = [json.loads(line.split("RESULT ", 1)[1]) for line in r.stdout.splitlines() if "RESULT " in line]
+    if r.returncode or not rows:
+        raise RuntimeError(f"{name} failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return rows
+
+
+ITEMS = ("load", "step_off", "step_full", "attention", "sync")
+
+
+def measure(quick: bool, items: tuple[str, ...] = ITEMS) -> list[dict]:
+    """Every item's rows, each with plan_mb, measured_mb and ratio (measured / plan)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in items:
+            for row in run_item(name, quick, Path(tmp)):
+                row["ratio"] = row["measured_mb"] / row["plan_mb"]
+                rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller shapes (the test's)")
+    ap.add_argument("--item", choices=ITEMS, help=argparse.SUPPRESS)
+    ap.add_argument("--tmp", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory_vs_plan.json")
+    a = ap.parse_args()
+    if a.item:
+        if a.item == "load":
+            item_load(a.tmp / "load_folder", a.quick)
+        elif a.item == "sync":
+            item_sync(a.quick)
+        elif a.item == "attention":
+            item_attention(a.quick)
+        else:
+            item_step(a.item.removeprefix("step_"), a.quick)
+        return
+    rows = measure(a.quick)
+    print("| item | plan MB | measured MB | measured / plan |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['item']} | {r['plan_mb']:.1f} | {r['measured_mb']:.1f} | {r['ratio']:.3f} |")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"quick": a.quick, "rows": rows}, indent=2))
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
