@@ -1,17 +1,21 @@
-"""Learning speed of the RL modes side by side: PipelineRL vs conventional (G = 1 and larger) vs async.
+"""Learning speed of the RL modes side by side: PipelineRL vs conventional (G = 1 and larger) vs async, over seeds.
 
 Every mode runs the same job (`train_configs/arithmetic.toml` unless --config), on the same hardware split
-(--nproc ranks, --inference-ranks of them engines), from the same warm start, with the same seed and samples per
-optimizer step; only `rl.mode` and `rl.sync_every` (G) change. Runs go one after another, not concurrently.
+(--nproc ranks, --inference-ranks of them engines), from the same warm start, with the same samples per optimizer
+step, once per seed (`job.seed`: problems and sampling); only `rl.mode` and `rl.sync_every` (G) change. Runs go one
+after another, seed by seed (every mode of seed 0, then of seed 1, ...), so a drift of the machine hits all modes.
 
-Reports per mode: time to target (first step at which the mean sampled reward over the last --window steps
-reaches --target; the trainer's wall clock, engine start-up excluded) and samples to target, final reward,
-mean ESS, mean / max lag, busy fractions, and `speedup_vs_conventional` = conventional G=1 time / mode time (and
-against the best conventional G). Writes `learning_speed.json`, `learning_speed.md`, `learning_speed.png` (reward
-vs time and vs samples; ESS vs step) under --out; TensorBoard: `tensorboard --logdir OUT/runs` shows one run
-per mode.
+Reports per mode, as the median and range over seeds: time to target (first step at which the mean sampled reward
+over the last --window steps reaches the target; the trainer's wall clock, engine start-up excluded) at the main
+and further targets, samples to target, final reward, ESS (mean, and the minimum of any step), mean / max lag,
+busy fractions, optimizer steps per second; `speedup_vs_conventional` = conventional G=1's median time to the
+target / this mode's, `speedup_vs_best_conventional` against the fastest conventional G. The bound
+B = (T_gen + T_train) / max(T_gen, T_train) comes from conventional G=1's busy fractions in the same run (its two
+sides take turns, so overlapping them perfectly would take max instead of the sum). Writes
+`learning_speed.json`, `learning_speed.md`, `learning_speed.png` (reward vs time and vs samples, one curve per
+seed; ESS vs step) under --out; TensorBoard: `tensorboard --logdir OUT/runs` shows one run per mode and seed.
 
-  python benchmarks/learning_speed.py --quick          # ~15 min on a 2-core CPU machine
+  python benchmarks/learning_speed.py --quick          # fewer modes and steps, 3 seeds
   python benchmarks/learning_speed.py --task chain_sum # long-tail completion lengths (2..12-term worked sums)
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -43,6 +48,7 @@ def parse_args() -> argparse.Namespace:
         "on a noisy curve says little",
     )
     p.add_argument("--window", type=int, default=10, help="steps in the reward moving average")
+    p.add_argument("--seeds", type=int, default=3, help="runs per mode (job.seed = 0, 1, ...)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--inference-ranks", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_speed")
@@ -126,10 +132,56 @@ def summarise(recs: list[dict], target: float, more_targets: list[float], window
     }
 
 
+def median_range(xs: list[float | None]) -> tuple[float | None, float | None, float | None]:
+    """(median, min, max) of per-seed values; a seed that never got there (None) counts as slower than any that
+    did, so the median is None when half or more missed."""
+    if not xs:
+        return None, None, None
+    inf = float("inf")
+    vals = sorted(inf if x is None else x for x in xs)
+    med = statistics.median(vals)
+    hit = [v for v in vals if v != inf]
+    return (None if med == inf else med), (min(hit) if hit else None), (None if vals[-1] == inf else vals[-1])
+
+
+def aggregate(per_seed: list[dict]) -> dict:
+    """One mode's numbers over its seeds: the median (and `<key>_range`: [min, max]) of each per-seed summary,
+    ESS as the mean of the seeds' means and the minimum of any step, lag mean and max likewise."""
+    out: dict = {"seeds": per_seed, "n_seeds": len(per_seed)}
+    for key in (
+        "time_to_target_s",
+        "samples_to_target",
+        "final_reward",
+        "trainer_busy_frac",
+        "inference_busy_frac",
+        "steps_per_s",
+        "mixed_version_frac",
+    ):
+        med, lo, hi = median_range([r[key] for r in per_seed])
+        out[key], out[f"{key}_range"] = med, [lo, hi]
+    out["reached_target"] = sum(r["time_to_target_s"] is not None for r in per_seed)
+    out["time_to_targets_s"] = {}
+    out["time_to_targets_range"] = {}
+    for t in per_seed[0]["time_to_targets_s"]:
+        med, lo, hi = median_range([r["time_to_targets_s"][t] for r in per_seed])
+        out["time_to_targets_s"][t], out["time_to_targets_range"][t] = med, [lo, hi]
+    out["mean_ess"] = statistics.fmean(r["mean_ess"] for r in per_seed)
+    out["min_ess"] = min(r["min_ess"] for r in per_seed)
+    out["mean_lag"] = statistics.fmean(r["mean_lag"] for r in per_seed)
+    out["max_lag"] = max(r["max_lag"] for r in per_seed)
+    return out
+
+
+def overlap_bound(trainer_busy: float, engine_busy: float) -> float:
+    """B = (T_gen + T_train) / max(T_gen, T_train) from conventional G=1's busy fractions: the speed-up a perfect
+    overlap of its two alternating sides would give (1: one side does all the work; 2: equal sides)."""
+    return (trainer_busy + engine_busy) / max(trainer_busy, engine_busy)
+
+
 def speedups(results: dict[str, dict]) -> None:
-    """Add, to every mode in place: `speedup_vs_conventional` (time to target of conventional G=1 / this mode's),
-    `speedup_vs_best_conventional` (the fastest conventional G instead), the same per further target, and
-    `throughput_vs_conventional` (optimizer steps per second, a less noisy view of the same effect)."""
+    """Add, to every mode in place: `speedup_vs_conventional` (conventional G=1's median time to target / this
+    mode's), `speedup_vs_best_conventional` (the fastest conventional G instead), the same per further target, and
+    `throughput_vs_conventional` (median optimizer steps per second, a less noisy view of the same effect)."""
     conv = {k: v for k, v in results.items() if k.startswith("conventional")}
     base = results.get("conventional_G1")
 
@@ -151,31 +203,41 @@ def fmt(x: float | None, spec: str = ".2f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def table(results: dict[str, dict], target: float, window: int) -> str:
+def fmt_range(v: float | None, r: list, spec: str = ".1f") -> str:
+    return f"{fmt(v, spec)} ({fmt(r[0], spec)}-{fmt(r[1], spec)})"
+
+
+def table(results: dict[str, dict], target: float, window: int, bound: float | None, seeds: int) -> str:
     targets = list(next(iter(results.values()))["time_to_targets_s"])
     head = (
-        "| mode | time to target (s) | samples to target | speedup vs conv G=1 | vs best conv | "
+        "| mode | time to target (s) | reached | samples to target | speedup vs conv G=1 | vs best conv | "
         + " | ".join(f"time / speedup @{t}" for t in targets if t != str(target))
-        + " | final reward | mean ESS | min ESS | lag mean / max | mixed-version seqs | trainer busy | "
-        "engine busy | steps/s (vs conv G=1) |"
+        + " | final reward | mean ESS | min ESS | lag mean / max | trainer busy | engine busy | "
+        "steps/s (vs conv G=1) |"
     )
+    pipe = results.get("pipeline", {}).get("speedup_vs_conventional")
     lines = [
-        f"Target: sampled reward, moving average over {window} steps, >= {target}.",
+        f"Median (min-max) over {seeds} seeds per mode; target: sampled reward, moving average over {window} steps, "
+        f">= {target}. Bound B = {fmt(bound)} (conventional G=1's trainer + engine busy fractions / the larger); "
+        f"pipeline reached {fmt(pipe)}x conventional G=1, {fmt(pipe / bound if pipe and bound else None)} B.",
         "",
         head,
         "|" + "---|" * (head.count("|") - 1),
     ]
     for name, v in results.items():
         more = " | ".join(
-            f"{fmt(v['time_to_targets_s'][t], '.1f')} / {fmt(v['speedup_vs_conventional_per_target'][t])}"
+            f"{fmt_range(v['time_to_targets_s'][t], v['time_to_targets_range'][t])} / "
+            f"{fmt(v['speedup_vs_conventional_per_target'][t])}"
             for t in targets
             if t != str(target)
         )
         lines.append(
-            f"| {name} | {fmt(v['time_to_target_s'], '.1f')} | {fmt(v['samples_to_target'], '.0f')} | "
+            f"| {name} | {fmt_range(v['time_to_target_s'], v['time_to_target_s_range'])} | "
+            f"{v['reached_target']}/{v['n_seeds']} | "
+            f"{fmt_range(v['samples_to_target'], v['samples_to_target_range'], '.0f')} | "
             f"{fmt(v['speedup_vs_conventional'])} | {fmt(v['speedup_vs_best_conventional'])} | {more} | "
             f"{v['final_reward']:.3f} | {v['mean_ess']:.3f} | {v['min_ess']:.3f} | "
-            f"{v['mean_lag']:.2f} / {v['max_lag']} | {v['mixed_version_frac']:.2f} | "
+            f"{v['mean_lag']:.2f} / {v['max_lag']} | "
             f"{v['trainer_busy_frac']:.2f} | {v['inference_busy_frac']:.2f} | "
             f"{v['steps_per_s']:.2f} ({fmt(v['throughput_vs_conventional'])}) |"
         )
@@ -192,11 +254,14 @@ def plot(results: dict[str, dict], target: float, path: Path) -> bool:
         print("matplotlib is not installed (pip install -e .[bench]): no plot written", flush=True)
         return False
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
-    for name, v in results.items():
-        c = v["curve"]
-        axes[0].plot(c["wall_time_s"], c["reward_smooth"], label=name)
-        axes[1].plot(c["samples"], c["reward_smooth"], label=name)
-        axes[2].plot(range(1, len(c["ess"]) + 1), c["ess"], label=name, lw=0.8)
+    for i, (name, v) in enumerate(results.items()):
+        colour = f"C{i}"
+        for k, run in enumerate(v["seeds"]):  # one curve per seed, one colour per mode
+            c = run["curve"]
+            label = name if k == 0 else None
+            axes[0].plot(c["wall_time_s"], c["reward_smooth"], color=colour, lw=0.9, label=label)
+            axes[1].plot(c["samples"], c["reward_smooth"], color=colour, lw=0.9, label=label)
+            axes[2].plot(range(1, len(c["ess"]) + 1), c["ess"], color=colour, lw=0.6, label=label)
     for ax, xl in zip(axes[:2], ["trainer wall time (s)", "samples"]):
         ax.axhline(target, color="grey", ls="--", lw=0.8)
         ax.set_xlabel(xl)
@@ -218,7 +283,7 @@ def main() -> None:
     more_targets = [float(x) for x in (a.more_targets if a.more_targets is not None else default_more).split(",") if x]
     steps = a.steps or (quick_steps if a.quick else full_steps)
     modes = a.modes or (
-        "pipeline,conventional:1,conventional:4,async"
+        "pipeline,conventional:1,conventional:4"
         if a.quick
         else "pipeline,conventional:1,conventional:2,conventional:4,conventional:8,async"
     )
@@ -233,7 +298,7 @@ def main() -> None:
         *overrides,
         *a.extra,
     ]
-    # The warm start once, shared by every mode (its folder is reused when it exists).
+    # The warm start once, shared by every mode and seed (its folder is reused when it exists).
     t0 = time.time()
     run_job(
         [*common, "--job.stage=warmstart", "--world.inference_ranks=0", f"--job.output_dir={a.out / 'warmstart_run'}"],
@@ -241,33 +306,39 @@ def main() -> None:
         a.nproc - a.inference_ranks,
     )
     print(f"warm start ready ({time.time() - t0:.0f} s)", flush=True)
-    results: dict[str, dict] = {}
-    for spec in modes.split(","):
-        mode, _, g = spec.partition(":")
-        g = g or "1"
-        name = f"{mode}_G{g}" if mode == "conventional" else mode
-        out = a.out / "runs" / name
-        t0 = time.time()
-        run_job(
-            [*common, f"--rl.mode={mode}", f"--rl.sync_every={g}", f"--job.output_dir={out}"],
-            a.out / f"{name}.log",
-            a.nproc,
-        )
-        recs = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
-        results[name] = summarise(recs, target, more_targets, a.window)
-        r = results[name]
-        print(
-            f"{name}: {time.time() - t0:.0f} s in all, time to target {fmt(r['time_to_target_s'], '.1f')} s, "
-            f"final reward {r['final_reward']:.3f}, mean ESS {r['mean_ess']:.3f}",
-            flush=True,
-        )
+    per_seed: dict[str, list[dict]] = {}
+    for seed in range(a.seeds):
+        for spec in modes.split(","):
+            mode, _, g = spec.partition(":")
+            g = g or "1"
+            name = f"{mode}_G{g}" if mode == "conventional" else mode
+            out = a.out / "runs" / f"{name}_seed{seed}"
+            t0 = time.time()
+            run_job(
+                [*common, f"--rl.mode={mode}", f"--rl.sync_every={g}", f"--job.seed={seed}", f"--job.output_dir={out}"],
+                a.out / f"{name}_seed{seed}.log",
+                a.nproc,
+            )
+            recs = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+            r = summarise(recs, target, more_targets, a.window)
+            per_seed.setdefault(name, []).append(r)
+            print(
+                f"{name} seed {seed}: {time.time() - t0:.0f} s in all, time to target "
+                f"{fmt(r['time_to_target_s'], '.1f')} s, final reward {r['final_reward']:.3f}, "
+                f"mean ESS {r['mean_ess']:.3f}, steps/s {r['steps_per_s']:.2f}",
+                flush=True,
+            )
+    results = {name: aggregate(runs) for name, runs in per_seed.items()}
     speedups(results)
-    md = table(results, target, a.window)
+    conv1 = results.get("conventional_G1")
+    bound = overlap_bound(conv1["trainer_busy_frac"], conv1["inference_busy_frac"]) if conv1 else None
+    md = table(results, target, a.window, bound, a.seeds)
     print(md, flush=True)
     meta = {
         "task": a.task,
         "config": a.config,
         "steps": steps,
+        "seeds": a.seeds,
         "target": target,
         "more_targets": more_targets,
         "window": a.window,
@@ -275,8 +346,11 @@ def main() -> None:
         "inference_ranks": a.inference_ranks,
         "extra": a.extra,
         "cpu_count": os.cpu_count(),
+        "bound": bound,
     }
-    (a.out / "learning_speed.json").write_text(json.dumps({"settings": meta, "modes": results}, indent=1))
+    (a.out / "learning_speed.json").write_text(
+        json.dumps({"settings": meta, "bound": bound, "modes": results}, indent=1)
+    )
     (a.out / "learning_speed.md").write_text(md + "\n")
     if plot(results, target, a.out / "learning_speed.png"):
         print(f"plot: {a.out / 'learning_speed.png'}", flush=True)

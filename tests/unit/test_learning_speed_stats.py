@@ -1,0 +1,64 @@
+"""`benchmarks/learning_speed.py`'s statistics over seeds: medians that treat a missed target as slower than any
+hit, the overlap bound from conventional G=1's busy fractions, and speed-ups taken between medians."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import learning_speed as ls  # noqa: E402
+
+
+def run(time: float | None, ess: float = 1.0, busy: tuple[float, float] = (0.5, 0.5), sps: float = 1.0) -> dict:
+    return {
+        "time_to_target_s": time,
+        "samples_to_target": None if time is None else 64 * time,
+        "time_to_targets_s": {"0.5": time, "0.8": None},
+        "final_reward": 0.9,
+        "trainer_busy_frac": busy[0],
+        "inference_busy_frac": busy[1],
+        "steps_per_s": sps,
+        "mixed_version_frac": 0.0,
+        "mean_ess": ess,
+        "min_ess": ess - 0.1,
+        "mean_lag": 0.0,
+        "max_lag": 0,
+    }
+
+
+def test_a_missed_target_counts_as_slower_than_any_hit():
+    assert ls.median_range([30.0, None, 10.0]) == (30.0, 10.0, None)  # max unknown: one seed never got there
+    assert ls.median_range([None, None, 10.0])[0] is None  # most seeds missed: no median
+    assert ls.median_range([20.0, 10.0, 40.0]) == (20.0, 10.0, 40.0)
+
+
+def test_aggregate_takes_medians_ranges_and_the_worst_ess():
+    agg = ls.aggregate([run(10.0, ess=0.9), run(30.0, ess=0.95), run(20.0, ess=1.0)])
+    assert agg["time_to_target_s"] == 20.0 and agg["time_to_target_s_range"] == [10.0, 30.0]
+    assert agg["reached_target"] == 3 and agg["n_seeds"] == 3
+    assert agg["mean_ess"] == pytest.approx(0.95) and agg["min_ess"] == pytest.approx(0.8)
+    assert agg["time_to_targets_s"] == {"0.5": 20.0, "0.8": None}
+
+
+def test_bound_is_two_for_balanced_sides_and_one_when_one_side_does_everything():
+    assert ls.overlap_bound(0.5, 0.5) == pytest.approx(2.0)
+    assert ls.overlap_bound(0.64, 0.35) == pytest.approx(0.99 / 0.64)
+    assert ls.overlap_bound(0.0, 0.9) == pytest.approx(1.0)
+
+
+def test_speedups_are_ratios_of_medians_against_g1_and_the_best_g():
+    results = {
+        "pipeline": ls.aggregate([run(10.0), run(12.0), run(11.0)]),
+        "conventional_G1": ls.aggregate([run(20.0), run(22.0), run(24.0)]),
+        "conventional_G4": ls.aggregate([run(16.0), run(15.5), run(100.0)]),
+    }
+    ls.speedups(results)
+    p = results["pipeline"]
+    assert p["speedup_vs_conventional"] == pytest.approx(22.0 / 11.0)
+    assert p["speedup_vs_best_conventional"] == pytest.approx(16.0 / 11.0)
+    assert results["conventional_G1"]["speedup_vs_conventional"] == pytest.approx(1.0)
+    text = ls.table(results, 0.5, 10, ls.overlap_bound(0.6, 0.4), 3)
+    assert "Bound B = 1.67" in text and "pipeline reached 2.00x conventional G=1, 1.20 B" in text
