@@ -168,7 +168,8 @@ def trainer_memory(cfg: Config, args: ModelArgs, n_trainers: int, checkpointing:
     rbytes = DTYPE_BYTES[tr.reduce_dtype]
     ebytes = engine_dtype_bytes(cfg)
     t = tr.micro_batch_tokens
-    send, _, largest = weight_sync_buffers(cfg, args, sent_as_is=n_trainers == 1 and pbytes == ebytes)
+    # FSDP2 keeps the sharded (master) parameters in fp32 whatever param_dtype: only an fp32 engine takes them as-is
+    send, _, largest = weight_sync_buffers(cfg, args, sent_as_is=n_trainers == 1 and ebytes == 4)
     act = block_activation_elements(args) * pbytes
     if checkpointing:
         every = tr.ac_every

@@ -1,6 +1,8 @@
 """torchrun script: trainers (FSDP2) push weights twice; the inference rank checks them bit for bit.
 
 Run: torchrun --nproc-per-node 3 tests/dist/weight_sync.py  (2 trainers + 1 inference rank)
+     torchrun --nproc-per-node 2 tests/dist/weight_sync.py 1  (1 trainer; 1-byte buckets: one unit per bucket, so
+     the embedding and the final norm go out from the parameter itself)
 """
 
 import sys
@@ -30,14 +32,16 @@ def expected_weights(version: int) -> dict[str, torch.Tensor]:
 def main() -> None:
     cfg = load_config(["--world.inference_ranks=1", "--job.threads_per_rank=1"])
     world = init_world(cfg)
-    # small buckets so that several (each of whole layers) are exercised
-    bucket = 300_000
+    # small buckets so that several (each of whole layers) are exercised; argv[1]: the bucket size in bytes
+    bucket = int(sys.argv[1]) if len(sys.argv) > 1 else 300_000
     if world.is_trainer:
         model = build_model(ARGS, seed=7)
         apply_fsdp(model, world.trainer_mesh, torch.float32, torch.float32)
         sender = WeightSender(model, world.weight_group, world.trainer_ranks[0], world.is_main, torch.float32,
                               torch.device("cpu"), bucket)
         assert len(sender.buckets) > 1
+        if world.trainer_mesh.size() == 1 and bucket == 1:
+            assert sender._direct[0] and not all(sender._direct), "the 1-trainer case must send some buckets as-is"
         for version in (1, 2):
             want = expected_weights(version)
             with torch.no_grad():

@@ -10,3 +10,10 @@ def test_fsdp_to_inference_broadcast_is_bit_exact():
     r = torchrun_script(3, ROOT / "tests" / "dist" / "weight_sync.py", timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "WEIGHT_SYNC_OK" in r.stdout
+
+
+@pytest.mark.slow
+def test_a_single_trainer_sends_whole_one_tensor_buckets_from_the_parameters_bit_exact():
+    r = torchrun_script(2, ROOT / "tests" / "dist" / "weight_sync.py", "1", timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "WEIGHT_SYNC_OK" in r.stdout
