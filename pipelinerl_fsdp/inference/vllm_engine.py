@@ -60,9 +60,13 @@ def sampling_params(
     seed: int,
     ignore_eos: bool,
     stop_token_ids: list[int] | None = None,
+    detokenize: bool = False,
 ) -> Any:
     """vLLM sampling parameters of one request: the sampled token's log-prob (`logprobs=0`), a per-request seed,
-    the job's stop set (the same ids the reference engine stops on), only the final output."""
+    the job's stop set (the same ids the reference engine stops on), only the final output, and no text: the job
+    decodes completions itself, while vLLM's client would detokenize every new token (and decode every sampled
+    token again for its log-prob entry) on the inference rank's core: 40% of that process's CPU time on the
+    long-tail task (benchmarks/engine_overhead.py)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -75,6 +79,7 @@ def sampling_params(
         stop_token_ids=list(stop_token_ids or []),
         seed=seed * 1_000_003 + request.request_id,
         output_kind=RequestOutputKind.FINAL_ONLY,
+        detokenize=detokenize,
     )
 
 

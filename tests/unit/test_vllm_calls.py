@@ -80,3 +80,15 @@ def test_the_cpu_kv_cache_is_sized_from_the_config():
     # the default job's tiny model: the 64 MiB floor, not the fixed 1 GiB of old
     tiny = ModelArgs(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
     assert kv_cache_gib_needed(tiny, 64, 24, 4) == 64 / 1024
+
+
+def test_requests_ask_vllm_for_token_ids_and_sampled_logprobs_only():
+    pytest.importorskip("vllm")
+    from pipelinerl_fsdp.inference.engine import Request
+    from pipelinerl_fsdp.inference.vllm_engine import sampling_params
+
+    p = sampling_params(Request(5, [1, 2], 9), temperature=0.7, top_p=0.9, seed=3, ignore_eos=False, stop_token_ids=[2])
+    # no text: vLLM's client would otherwise detokenize every new token on the inference rank's core
+    assert p.detokenize is False
+    assert p.logprobs == 0 and p.max_tokens == 9 and p.stop_token_ids == [2]
+    assert p.seed == 3 * 1_000_003 + 5  # per request: a request's sampling does not depend on its batch
