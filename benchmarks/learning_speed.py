@@ -16,8 +16,12 @@ sides take turns, so overlapping them perfectly would take max instead of the su
 seed; ESS vs step) under --out; TensorBoard: `tensorboard --logdir OUT/runs` shows one run per mode and seed.
 
   python benchmarks/learning_speed.py --quick                  # addition: 3 modes, 3 seeds
-  python benchmarks/learning_speed.py --task chain_sum --quick # long tail (2..12-term worked sums): pipeline and
-                                                               # conventional G=1, 3 seeds, ~16 min + warm start
+  python benchmarks/learning_speed.py --task chain_sum --quick # long tail (2..12-term worked sums): pipeline,
+                                                               # conventional G=1 and colocated, 3 seeds, ~15 min
+                                                               # + warm start (once)
+
+Mode `colocated` is the single-process baseline of `benchmarks/colocated.py` (generate with every core, then train
+with every core; same config, data, step and metrics); `speedup_vs_colocated` compares against it.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from torchrun_job import ROOT, run_job
+from torchrun_job import ROOT, job_command, run_job, run_logged
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,6 +46,12 @@ def parse_args() -> argparse.Namespace:
         "--modes", default=None, help="comma list of MODE[:G], e.g. pipeline,conventional:1,conventional:4,async"
     )
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run")
+    p.add_argument(
+        "--engine",
+        choices=["vllm", "reference"],
+        default=None,
+        help="inference.engine of every run (default: per task)",
+    )
     p.add_argument("--target", type=float, default=None, help="target mean reward (default: per task)")
     p.add_argument(
         "--more-targets",
@@ -65,10 +76,12 @@ def parse_args() -> argparse.Namespace:
 TASK_SETTINGS = {
     # overrides, default target, further targets, quick steps, full steps, quick modes
     "addition": ([], 0.8, "0.75,0.83", 200, 400, "pipeline,conventional:1,conventional:4"),
-    # The long-tail task: worked sums of 2-12 two-digit terms (completions ~10-130 tokens). 128 samples per step so
-    # that training is not dwarfed by the engine (measured, conventional G=1, seed 0: trainer busy 0.33 / engine 0.66
-    # with 64 samples, 0.38 / 0.62 with 128). The 1500-step warm start (~15 min here, once) starts the sampled
-    # reward at ~0.65; 40 steps take every mode past 0.85.
+    # The long-tail task: worked sums of 2-12 two-digit terms (completions ~10-130 tokens), 128 samples per step.
+    # The engine is the pure-PyTorch one: for this 0.8M model on one CPU core vLLM runs at ~0.7x its speed (its
+    # engine core and client cost more than the model; benchmarks/engine_overhead.py), which would weigh the
+    # comparison towards whichever mode generates least. With it, conventional G=1's two sides are balanced
+    # (trainer busy ~0.48, engine ~0.53); with vLLM (`--engine vllm`) the engine takes ~61%. The 1500-step warm
+    # start (~15 min here, once) starts the sampled reward at ~0.65; 40 steps take every mode past 0.85.
     "chain_sum": (
         [
             "--task.name=chain_sum",
@@ -85,9 +98,18 @@ TASK_SETTINGS = {
         "0.75,0.85",
         40,
         40,
-        "pipeline,conventional:1",
+        "pipeline,conventional:1,colocated",
     ),
 }
+# the engine of every run unless --engine says otherwise
+TASK_ENGINE = {"addition": "vllm", "chain_sum": "reference"}
+
+
+def colocated_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """`benchmarks/colocated.py ARGS`: one process, every core (no per-rank thread cap)."""
+    _, env = job_command(args, 1)
+    env.pop("OMP_NUM_THREADS")
+    return [sys.executable, str(ROOT / "benchmarks" / "colocated.py"), *args], env
 
 
 def moving_average(xs: list[float], window: int) -> list[float]:
@@ -189,9 +211,11 @@ def overlap_bound(trainer_busy: float, engine_busy: float) -> float:
 def speedups(results: dict[str, dict]) -> None:
     """Add, to every mode in place: `speedup_vs_conventional` (conventional G=1's median time to target / this
     mode's), `speedup_vs_best_conventional` (the fastest conventional G instead), the same per further target, and
-    `throughput_vs_conventional` (median optimizer steps per second, a less noisy view of the same effect)."""
+    `throughput_vs_conventional` (median optimizer steps per second, a less noisy view of the same effect), and
+    with a colocated run `speedup_vs_colocated`."""
     conv = {k: v for k, v in results.items() if k.startswith("conventional")}
     base = results.get("conventional_G1")
+    coloc = results.get("colocated")
 
     def ratio(num: float | None, den: float | None) -> float | None:
         return num / den if num and den else None
@@ -205,6 +229,8 @@ def speedups(results: dict[str, dict]) -> None:
             k: ratio(base and base["time_to_targets_s"][k], x) for k, x in v["time_to_targets_s"].items()
         }
         v["throughput_vs_conventional"] = ratio(v["steps_per_s"], base and base["steps_per_s"])
+        if coloc is not None:
+            v["speedup_vs_colocated"] = ratio(coloc["time_to_target_s"], t)
 
 
 def fmt(x: float | None, spec: str = ".2f") -> str:
@@ -215,7 +241,9 @@ def fmt_range(v: float | None, r: list, spec: str = ".1f") -> str:
     return f"{fmt(v, spec)} ({fmt(r[0], spec)}-{fmt(r[1], spec)})"
 
 
-def table(results: dict[str, dict], target: float, window: int, bound: float | None, seeds: int) -> str:
+def table(
+    results: dict[str, dict], target: float, window: int, bound: float | None, seeds: int, engine: str = ""
+) -> str:
     targets = list(next(iter(results.values()))["time_to_targets_s"])
     head = (
         "| mode | time to target (s) | reached | samples to target | speedup vs conv G=1 | vs best conv | "
@@ -224,10 +252,13 @@ def table(results: dict[str, dict], target: float, window: int, bound: float | N
         "steps/s (vs conv G=1) |"
     )
     pipe = results.get("pipeline", {}).get("speedup_vs_conventional")
+    vs_coloc = results.get("pipeline", {}).get("speedup_vs_colocated")
     lines = [
-        f"Median (min-max) over {seeds} seeds per mode; target: sampled reward, moving average over {window} steps, "
+        f"Median (min-max) over {seeds} seeds per mode{f' ({engine} engine)' if engine else ''}; "
+        f"target: sampled reward, moving average over {window} steps, "
         f">= {target}. Bound B = {fmt(bound)} (conventional G=1's trainer + engine busy fractions / the larger); "
-        f"pipeline reached {fmt(pipe)}x conventional G=1, {fmt(pipe / bound if pipe and bound else None)} B.",
+        f"pipeline reached {fmt(pipe)}x conventional G=1, {fmt(pipe / bound if pipe and bound else None)} B"
+        + (f", {fmt(vs_coloc)}x the colocated baseline." if "colocated" in results else "."),
         "",
         head,
         "|" + "---|" * (head.count("|") - 1),
@@ -301,6 +332,7 @@ def main() -> None:
         f"--rl.max_steps={steps}",
         "--eval.every=0",
         "--metrics.log_every=25",
+        f"--inference.engine={a.engine or TASK_ENGINE[a.task]}",
         *overrides,
         *a.extra,
     ]
@@ -320,11 +352,11 @@ def main() -> None:
             name = f"{mode}_G{g}" if mode == "conventional" else mode
             out = a.out / "runs" / f"{name}_seed{seed}"
             t0 = time.time()
-            run_job(
-                [*common, f"--rl.mode={mode}", f"--rl.sync_every={g}", f"--job.seed={seed}", f"--job.output_dir={out}"],
-                a.out / f"{name}_seed{seed}.log",
-                a.nproc,
-            )
+            args = [*common, f"--job.seed={seed}", f"--job.output_dir={out}"]
+            if mode == "colocated":
+                run_logged(*colocated_command(args), a.out / f"{name}_seed{seed}.log")
+            else:
+                run_job([*args, f"--rl.mode={mode}", f"--rl.sync_every={g}"], a.out / f"{name}_seed{seed}.log", a.nproc)
             recs = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
             r = summarise(recs, target, more_targets, a.window)
             per_seed.setdefault(name, []).append(r)
@@ -338,7 +370,7 @@ def main() -> None:
     speedups(results)
     conv1 = results.get("conventional_G1")
     bound = overlap_bound(conv1["trainer_busy_frac"], conv1["inference_busy_frac"]) if conv1 else None
-    md = table(results, target, a.window, bound, a.seeds)
+    md = table(results, target, a.window, bound, a.seeds, a.engine or TASK_ENGINE[a.task])
     print(md, flush=True)
     meta = {
         "task": a.task,
@@ -350,6 +382,7 @@ def main() -> None:
         "window": a.window,
         "nproc": a.nproc,
         "inference_ranks": a.inference_ranks,
+        "engine": a.engine or TASK_ENGINE[a.task],
         "extra": a.extra,
         "cpu_count": os.cpu_count(),
         "bound": bound,

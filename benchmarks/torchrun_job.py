@@ -34,7 +34,11 @@ def job_command(args: list[str], nproc: int) -> tuple[list[str], dict[str, str]]
 
 def run_job(args: list[str], log: Path, nproc: int) -> None:
     """Run `job_command(args, nproc)`, output to `log`; exits with the log's tail when the job fails."""
-    cmd, env = job_command(args, nproc)
+    run_logged(*job_command(args, nproc), log)
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> None:
+    """Run `cmd` in the repository root, output to `log`; exits with the log's tail when it fails."""
     with open(log, "w") as f:
         r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     if r.returncode != 0:

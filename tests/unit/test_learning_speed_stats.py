@@ -62,3 +62,17 @@ def test_speedups_are_ratios_of_medians_against_g1_and_the_best_g():
     assert results["conventional_G1"]["speedup_vs_conventional"] == pytest.approx(1.0)
     text = ls.table(results, 0.5, 10, ls.overlap_bound(0.6, 0.4), 3)
     assert "Bound B = 1.67" in text and "pipeline reached 2.00x conventional G=1, 1.20 B" in text
+
+
+def test_the_colocated_baseline_is_compared_but_never_counted_as_a_conventional_g():
+    results = {
+        "pipeline": ls.aggregate([run(10.0), run(12.0), run(11.0)]),
+        "conventional_G1": ls.aggregate([run(20.0), run(22.0), run(24.0)]),
+        "colocated": ls.aggregate([run(13.0), run(14.0), run(15.0)]),  # faster than any conventional G
+    }
+    ls.speedups(results)
+    p = results["pipeline"]
+    assert p["speedup_vs_colocated"] == pytest.approx(14.0 / 11.0)
+    assert p["speedup_vs_best_conventional"] == pytest.approx(22.0 / 11.0)
+    text = ls.table(results, 0.5, 10, ls.overlap_bound(0.5, 0.5), 3, "reference")
+    assert "(reference engine)" in text and "1.27x the colocated baseline" in text
