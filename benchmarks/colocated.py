@@ -21,6 +21,7 @@ trainer = the training part of each step, engine = the generation part (they nev
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
@@ -42,7 +43,7 @@ from pipelinerl_fsdp.preflight import engine_max_len, sequence_limits, stop_toke
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import group_advantages
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
-from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
+from pipelinerl_fsdp.rl.loss import LossSettings, micro_batch_loss
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics
 from pipelinerl_fsdp.tasks import ProblemStream, make_task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer
@@ -124,28 +125,15 @@ class Colocated:
                 samples.append(Sample(gid, ids, r.tokens, r.logprobs, r.versions, reward, adv, r.finished, outcome))
         return samples
 
-    def _loss_fn(
-        self, logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        loss, s = policy_loss(
-            logp[0],
-            mb["behaviour_logp"][0],
-            mb["advantage"][0],
-            mb["mask"][0],
-            self.cfg.rl.batch_size,
-            self.loss_settings,
-        )
-        s["entropy"] = float((ent[0] * mb["mask"][0]).sum())
-        return loss, s
-
     def train(self, samples: list[Sample]) -> tuple[dict[str, float], float]:
         """The job's optimizer step on `samples`, then the new weights into the generator."""
         cfg = self.cfg
         micro = rl_micro_batches(samples, cfg.trainer.micro_batch_tokens, self.device)
+        loss_fn = functools.partial(micro_batch_loss, num_sequences=cfg.rl.batch_size, settings=self.loss_settings)
         stats = forward_backward(
             self.policy.model,
             micro,
-            self._loss_fn,
+            loss_fn,
             cfg.inference.temperature,
             None,
             self.device,

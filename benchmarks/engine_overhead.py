@@ -24,13 +24,12 @@ import json
 import os
 import random
 import statistics
-import time
 from pathlib import Path
 
 import psutil
 import torch
+from engines import run_engine
 
-from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.placement import VLLMPlacement
 from pipelinerl_fsdp.tasks.arithmetic import ChainSum, ChainSumConfig
 from pipelinerl_fsdp.tokenizer import load_tokenizer
@@ -51,16 +50,6 @@ def cpu_seconds(proc: psutil.Process) -> dict[str, float]:
 
 def roles(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     return {k: round(after[k] - before.get(k, 0.0), 2) for k in after if after[k] - before.get(k, 0.0) > 0.01}
-
-
-def run_round(engine, prompts: list[list[int]], max_tokens: int, first_id: int) -> tuple[int, float]:
-    reqs = [Request(first_id + i, p, max_tokens) for i, p in enumerate(prompts)]
-    t0 = time.perf_counter()
-    for r in reqs:
-        engine.add(r)
-    while engine.num_unfinished():
-        engine.step()
-    return sum(len(r.tokens) for r in reqs), time.perf_counter() - t0
 
 
 def bench(kind: str, model: Path, prompts: list[list[int]], a: argparse.Namespace, stops: list[int]) -> dict:
@@ -92,12 +81,12 @@ def bench(kind: str, model: Path, prompts: list[list[int]], a: argparse.Namespac
         )
     try:
         n = a.requests
-        run_round(engine, prompts[:8], a.max_tokens, 10**6)  # warm-up
+        run_engine(engine, prompts[:8], a.max_tokens, 10**6)  # warm-up
         me = psutil.Process()
         c0 = cpu_seconds(me)
         rates, tokens, wall = [], 0, 0.0
         for k in range(a.rounds):
-            t, s = run_round(engine, prompts[(k + 1) * n : (k + 2) * n], a.max_tokens, k * n)
+            t, s = run_engine(engine, prompts[(k + 1) * n : (k + 2) * n], a.max_tokens, k * n)
             rates.append(t / s)
             tokens, wall = tokens + t, wall + s
         cpu = roles(c0, cpu_seconds(me))

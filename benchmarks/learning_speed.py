@@ -322,7 +322,9 @@ def main() -> None:
     more_targets = [float(x) for x in (a.more_targets if a.more_targets is not None else default_more).split(",") if x]
     steps = a.steps or (quick_steps if a.quick else full_steps)
     modes = a.modes or (
-        quick_modes if a.quick else "pipeline,conventional:1,conventional:2,conventional:4,conventional:8,async"
+        quick_modes
+        if a.quick
+        else "pipeline,conventional:1,conventional:2,conventional:4,conventional:8,async,colocated"
     )
     a.out.mkdir(parents=True, exist_ok=True)
     common = [

@@ -30,7 +30,7 @@ from pipelinerl_fsdp.parallelize import full_state_dict
 from pipelinerl_fsdp.policy import build_policy, load_sharded
 from pipelinerl_fsdp.processes import kill_descendants
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
-from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
+from pipelinerl_fsdp.rl.loss import LossSettings, micro_batch_loss
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics
 from pipelinerl_fsdp.rollout_log import RolloutLog, as_text
 from pipelinerl_fsdp.stopping import StopRequested
@@ -148,17 +148,7 @@ class RLTrainer:
     def _loss_fn(
         self, logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        ref = mb["ref_logp"][0] if "ref_logp" in mb else None
-        loss, s = policy_loss(
-            logp[0],
-            mb["behaviour_logp"][0],
-            mb["advantage"][0],
-            mb["mask"][0],
-            self.cfg.rl.batch_size,
-            self.loss_settings,
-            ref,
-        )
-        s["entropy"] = float((ent[0] * mb["mask"][0]).sum())
+        loss, s = micro_batch_loss(logp, ent, mb, self.cfg.rl.batch_size, self.loss_settings)
         # FSDP averages gradients over ranks; the loss is already normalised by the global B.
         return loss * len(self.world.trainer_ranks), s
 

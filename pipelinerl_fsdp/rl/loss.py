@@ -73,3 +73,19 @@ def policy_loss(
         "clipped": float((clipped * mask).sum()),
     }
     return loss / num_sequences, stats
+
+
+def micro_batch_loss(
+    logp: torch.Tensor,
+    entropy: torch.Tensor,
+    micro_batch: dict[str, torch.Tensor],
+    num_sequences: float,
+    settings: LossSettings,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`policy_loss` on one packed micro-batch (`rl.batching.rl_micro_batches`'s fields; `ref_logp` when a
+    reference model scored it), with the summed entropy of its counted tokens added to the statistics."""
+    mb, mask = micro_batch, micro_batch["mask"][0]
+    ref = mb["ref_logp"][0] if "ref_logp" in mb else None
+    loss, stats = policy_loss(logp[0], mb["behaviour_logp"][0], mb["advantage"][0], mask, num_sequences, settings, ref)
+    stats["entropy"] = float((entropy[0] * mask).sum())
+    return loss, stats

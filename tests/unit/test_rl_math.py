@@ -107,3 +107,21 @@ def test_kl_log_ratio_is_clamped():
     assert s["kl"] == pytest.approx(math.exp(10) - 10 - 1, rel=1e-5)  # not exp(30)
     loss.backward()
     assert torch.isfinite(logp.grad).all()
+
+
+def test_the_micro_batch_loss_reads_the_packed_fields_and_sums_entropy_over_counted_tokens():
+    from pipelinerl_fsdp.rl.loss import micro_batch_loss
+
+    logp = torch.tensor([[-1.0, -0.5, -2.0, -0.1]], requires_grad=True)
+    mb = {
+        "mask": torch.tensor([[0.0, 1.0, 1.0, 0.0]]),  # a prompt target, two completion tokens, a second prompt
+        "behaviour_logp": torch.tensor([[0.0, -0.5, -2.0, 0.0]]),
+        "advantage": torch.tensor([[0.0, 1.0, 1.0, 0.0]]),
+    }
+    ent = torch.tensor([[9.0, 0.5, 0.25, 9.0]])
+    loss, stats = micro_batch_loss(logp, ent, mb, num_sequences=2, settings=LossSettings())
+    assert stats["entropy"] == 0.75 and stats["tokens"] == 2.0
+    assert loss.item() == pytest.approx(-(-0.5 - 2.0) / 2)  # on-policy: weights 1, A = 1, over B = 2
+    mb["ref_logp"] = logp.detach() - 1.0
+    kl_loss, kl_stats = micro_batch_loss(logp, ent, mb, 2, LossSettings(kl_coef=0.5))
+    assert kl_stats["kl"] > 0 and kl_loss.item() > loss.item()  # the reference model's log-probs are used
