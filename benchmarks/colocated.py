@@ -16,7 +16,8 @@ config and overrides and runs the same RL step as the job's trainer, on the same
         --rl.max_steps=50 --job.output_dir=outputs/colocated
 
 The warm start folder must exist (the job's warm start stage, or learning_speed.py, makes it). Busy fractions:
-trainer = the training part of each step, engine = the generation part (they never overlap here).
+trainer = the training part of each step, engine = the engine's own steps in the generation part (they never
+overlap here).
 """
 
 from __future__ import annotations
@@ -172,20 +173,19 @@ def main(argv: list[str]) -> None:
         console_fields=rl_console(None),
     )
     print(f"[colocated] {cores} threads, {cfg.rl.max_steps} steps of {cfg.rl.batch_size} samples", flush=True)
-    before, gen_s, t_prev = EngineCounters(), 0.0, time.perf_counter()
+    before, t_prev = EngineCounters(), time.perf_counter()
     t_zero = t_prev
     for step in range(cfg.rl.max_steps):
         t_start = time.perf_counter()
         trained_version = run.version
         samples = run.generate()
         t_data = time.perf_counter()
-        gen_s += t_data - t_start
         sums, grad_norm = run.train(samples)
         t_end = time.perf_counter()
-        engines = EngineCounters(float(run.engine.generated_tokens), gen_s, t_end - t_zero)
-        values = step_metrics(
-            samples, trained_version, sums, engines, before, StepTimes(t_start, t_data, t_end, t_prev)
-        )
+        tokens, busy, seq_s = run.engine.stats()
+        engines = EngineCounters(float(tokens), busy, t_end - t_zero, seq_s)
+        times = StepTimes(t_start, t_data, t_end, t_prev)
+        values = step_metrics(samples, trained_version, sums, engines, before, times, cfg.rl.batch_size)
         values.update({"version": run.version, "samples": (step + 1) * cfg.rl.batch_size, "grad_norm": grad_norm})
         before, t_prev = engines, t_end
         last = step + 1 == cfg.rl.max_steps

@@ -241,7 +241,9 @@ class RLTrainer:
         c = self.collector
         assert c is not None
         engines = EngineCounters.total(c.engine_stats)
-        values = step_metrics(self._batch, trained_version, sums, engines, self._engines_before, times)
+        values = step_metrics(
+            self._batch, trained_version, sums, engines, self._engines_before, times, self.cfg.inference.max_num_seqs
+        )
         self._engines_before = engines
         values.update(
             {

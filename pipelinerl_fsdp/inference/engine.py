@@ -91,9 +91,12 @@ class Engine(ABC):
         """Requests submitted and not yet returned by `step`."""
 
     @abstractmethod
-    def stats(self) -> tuple[int, float]:
-        """(completion tokens generated, seconds busy) so far: busy = at least one request in flight, less the
-        update pauses. Read both at once: the loop turns their deltas into rates and fractions."""
+    def stats(self) -> tuple[int, float, float]:
+        """(completion tokens generated, seconds busy, sequence-seconds) so far: busy = at least one request in
+        flight, less the update pauses; sequence-seconds = the number of sequences in flight integrated over the
+        busy time, so that their delta over a busy delta is the mean batch the engine ran (its occupancy once
+        divided by `inference.max_num_seqs`). Read all at once: the loop turns their deltas into rates and
+        fractions."""
 
     @abstractmethod
     def load_update(self, receiver: WeightReceiver, version: int, recompute: bool) -> None:

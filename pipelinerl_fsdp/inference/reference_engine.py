@@ -62,7 +62,7 @@ class ReferenceEngine(Engine):
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}  # slot -> request
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.generated_tokens, self.busy_s = 0, 0.0
+        self.generated_tokens, self.busy_s, self.seq_s = 0, 0.0, 0.0
         self._staging: dict[str, torch.Tensor] | None = None  # async mode: a received, not yet loaded update
 
     @property
@@ -80,9 +80,9 @@ class ReferenceEngine(Engine):
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def stats(self) -> tuple[int, float]:
-        """Busy time = time spent inside `step()`."""
-        return self.generated_tokens, self.busy_s
+    def stats(self) -> tuple[int, float, float]:
+        """Busy time = time spent inside `step()`; each step's sequences count for its duration."""
+        return self.generated_tokens, self.busy_s, self.seq_s
 
     @torch.no_grad()
     def _prefill(self, reqs: list[Request], upto_last: bool) -> torch.Tensor:
@@ -139,7 +139,9 @@ class ReferenceEngine(Engine):
             self.cache.free(r.slot)
             self.free_slots.append(r.slot)
         self.generated_tokens += len(reqs)
-        self.busy_s += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.busy_s += took
+        self.seq_s += len(reqs) * took
         return done
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,7 +65,7 @@ def sampling_params(
     """vLLM sampling parameters of one request: the sampled token's log-prob (`logprobs=0`), a per-request seed,
     the job's stop set (the same ids the reference engine stops on), only the final output, and no text: the job
     decodes completions itself, while vLLM's client would detokenize every new token (and decode every sampled
-    token again for its log-prob entry) on the inference rank's core: 40% of that process's CPU time on the
+    token again for its log-prob entry) on the inference rank's core: a third of that process's CPU time on the
     long-tail task (benchmarks/engine_overhead.py)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -202,6 +202,9 @@ class VLLMEngine(Engine):
         self.stop_token_ids = list(stop_token_ids or [])
         self.version = 0
         self.generated_tokens, self.busy_s, self.pause_s = 0, 0.0, 0.0
+        # sequences in flight integrated over time, up to _seq_mark (counted from this thread: a request is in
+        # flight from `add` until `step` returns it; the inference loop calls `step` every few ms)
+        self._seq_s, self._seq_mark = 0.0, time.perf_counter()
         self._active: dict[str, _Active] = {}  # loop thread only
         self._finished: queue.SimpleQueue[Request | BaseException] = queue.SimpleQueue()
         self._n_unfinished = 0
@@ -346,7 +349,13 @@ class VLLMEngine(Engine):
             "joining the weight-update group",
         )
 
+    def _count_sequences(self) -> None:
+        now = time.perf_counter()
+        self._seq_s += self._n_unfinished * (now - self._seq_mark)
+        self._seq_mark = now
+
     def add(self, request: Request) -> None:
+        self._count_sequences()
         if self._n_unfinished == 0:
             self._busy_since = time.perf_counter()
         self._n_unfinished += 1
@@ -367,6 +376,7 @@ class VLLMEngine(Engine):
         for r in done:
             if isinstance(r, BaseException):
                 raise RuntimeError("vLLM engine failed") from r
+        self._count_sequences()
         self._n_unfinished -= len(done)
         self.generated_tokens += sum(len(r.tokens) for r in done)  # type: ignore[union-attr]
         if self._n_unfinished == 0 and self._busy_since is not None:
@@ -374,17 +384,26 @@ class VLLMEngine(Engine):
             self._busy_since = None
         return done  # type: ignore[return-value]
 
-    def stats(self) -> tuple[int, float]:
-        """Busy: time with at least one request in the engine, less the update pauses."""
+    def stats(self) -> tuple[int, float, float]:
+        """Busy: time with at least one request in the engine, less the update pauses (and so are the sequences'
+        seconds)."""
         running = time.perf_counter() - self._busy_since if self._busy_since is not None else 0.0
-        return self.generated_tokens, self.busy_s + running - self.pause_s
+        self._count_sequences()
+        return self.generated_tokens, self.busy_s + running - self.pause_s, self._seq_s
 
     def load_update(self, receiver: WeightReceiver, version: int, recompute: bool) -> None:
         """The workers receive the buckets and load them (`receiver` only carried the header)."""
         t0 = time.perf_counter()
         self._call(self._update(version, recompute), f"the update to version {version}")
+        self._paused_since(t0)
+
+    def _paused_since(self, t0: float) -> None:
+        """Take the pause that began at `t0` out of the busy time and the sequences' seconds."""
         if self._busy_since is not None:  # only a pause while busy is idle time to subtract
-            self.pause_s += time.perf_counter() - max(t0, self._busy_since)
+            pause = time.perf_counter() - max(t0, self._busy_since)
+            self.pause_s += pause
+            self._count_sequences()
+            self._seq_s -= self._n_unfinished * pause  # the same requests were in flight throughout
 
     async def _shutdown(self) -> None:
         self.llm.shutdown()
@@ -398,8 +417,7 @@ class VLLMEngine(Engine):
         current weights)."""
         t0 = time.perf_counter()
         self._call(self.llm.collective_rpc("receive_weight_update", args=(False,)), "receiving an update")
-        if self._busy_since is not None:
-            self.pause_s += time.perf_counter() - max(t0, self._busy_since)
+        self._paused_since(t0)
 
     def apply_staged(self, version: int) -> None:
         self._call(self._update(version, False, staged=True), f"loading the staged version {version}")

@@ -66,6 +66,7 @@ class InferenceWorker:
             "elapsed_s": 0.0,
             "update_pause_ms": 0.0,
             "skipped_prompts": 0.0,
+            "seq_s": 0.0,
         }
         # prompts over task.max_prompt_tokens (tasks that have the key) are skipped and counted
         self._max_prompt = getattr(cfg.task, "max_prompt_tokens", 0)
@@ -150,8 +151,8 @@ class InferenceWorker:
     def _snapshot_stats(self) -> None:
         """Engine counters and wall time read together: the trainer turns their deltas into rates and fractions
         (a vLLM engine keeps generating while this loop waits on backpressure, so a stale read would skew them)."""
-        tokens, busy = self.engine.stats()
-        self.stats["busy_s"], self.stats["gen_tokens"] = busy, float(tokens)
+        tokens, busy, seq_s = self.engine.stats()
+        self.stats["busy_s"], self.stats["gen_tokens"], self.stats["seq_s"] = busy, float(tokens), seq_s
         self.stats["elapsed_s"] = time.perf_counter() - self._t0
 
     def _add_group(self) -> None:

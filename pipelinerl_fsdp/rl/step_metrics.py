@@ -20,10 +20,12 @@ class EngineCounters:
     gen_tokens: float = 0.0
     busy_s: float = 0.0
     elapsed_s: float = 0.0
+    seq_s: float = 0.0  # sequences in flight x busy seconds (Engine.stats)
 
     @classmethod
     def total(cls, per_engine: dict[int, dict[str, float]]) -> EngineCounters:
-        return cls(*(sum(st[k] for st in per_engine.values()) for k in ("gen_tokens", "busy_s", "elapsed_s")))
+        keys = ("gen_tokens", "busy_s", "elapsed_s", "seq_s")
+        return cls(*(sum(st[k] for st in per_engine.values()) for k in keys))
 
 
 @dataclass
@@ -60,12 +62,20 @@ def step_metrics(
     engines: EngineCounters,
     engines_before: EngineCounters,
     times: StepTimes,
+    engine_slots: int = 0,
 ) -> dict[str, float]:
-    """The step's metrics. `trained_version`: the policy version the step's gradient was computed with."""
+    """The step's metrics. `trained_version`: the policy version the step's gradient was computed with;
+    `engine_slots`: sequences an engine runs at most (`inference.max_num_seqs`; 0: no occupancy)."""
     lags = token_lags(samples, trained_version)
     tokens = max(sums["tokens"], 1.0)
     engine_elapsed = max(engines.elapsed_s - engines_before.elapsed_s, 1e-9)
+    busy = engines.busy_s - engines_before.busy_s
+    occupancy = {}
+    if engine_slots and busy > 0:
+        # the mean batch while busy over the slots: a draining long tail shows here, not in the busy fraction
+        occupancy["inference_occupancy"] = (engines.seq_s - engines_before.seq_s) / busy / engine_slots
     return {
+        **occupancy,
         **outcome_fractions(samples),
         "reward_mean": sum(s.reward for s in samples) / len(samples),
         "ess": ess_from_sums(sums["sum_w"], sums["sum_w2"], sums["tokens"]),
@@ -84,7 +94,7 @@ def step_metrics(
         "train_tokens_per_s": sum(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
         / (times.end - times.data),
         "trainer_busy_frac": (times.end - times.data) / (times.end - times.start),
-        "inference_busy_frac": (engines.busy_s - engines_before.busy_s) / engine_elapsed,
+        "inference_busy_frac": busy / engine_elapsed,
         "wait_for_data_s": times.data - times.start,
         "train_step_s": times.end - times.data,
     }

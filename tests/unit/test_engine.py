@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 
 from kv_reference import full_logprobs, logprobs_old_kv_then_new, run_to_end
@@ -55,3 +56,18 @@ def test_in_flight_update_with_recompute_matches_fresh_forward():
         torch.testing.assert_close(
             torch.tensor(r.logprobs[m:]), full_logprobs(new, p, r.tokens, T)[m:], rtol=1e-5, atol=1e-5
         )
+
+
+def test_sequence_seconds_give_the_mean_batch_and_show_a_draining_tail():
+    model = build_model(ARGS, seed=1)
+
+    def mean_batch(max_tokens: list[int]) -> float:
+        engine = ReferenceEngine(copy.deepcopy(model), max_num_seqs=8, max_len=64, eos_ids=[], temperature=T)
+        run_to_end(engine, [Request(i, [3, 4, 5], m) for i, m in enumerate(max_tokens)])
+        tokens, busy, seq_s = engine.stats()
+        assert tokens == sum(max_tokens)
+        return seq_s / busy
+
+    assert mean_batch([20] * 8) == pytest.approx(8.0)  # every step ran all 8 slots
+    # half the batch stops after one token: 4 sequences decode alone for 19 of 20 steps
+    assert mean_batch([1] * 4 + [20] * 4) < 0.75 * 8

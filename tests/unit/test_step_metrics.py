@@ -79,3 +79,13 @@ def test_eval_reports_join_over_engines():
     agg.add(EvalReport(1, 10, 2, [], []))
     agg.add(EvalReport(1, 10, 2, [0], [0]))
     assert agg.complete(10) and not agg.complete(20)
+
+
+def test_occupancy_is_the_mean_batch_while_busy_over_the_slots():
+    before, now = EngineCounters(100, 5, 10, 40.0), EngineCounters(400, 7, 12, 40.0 + 2 * 48)
+    m = step_metrics([s([0], 1.0)], 0, SUMS, now, before, StepTimes(0, 1, 2, 0), engine_slots=64)
+    assert m["inference_occupancy"] == pytest.approx(48 / 64)  # 48 sequences on average over 2 busy seconds
+    # no slot count, or an engine that was never busy: no occupancy rather than a made-up one
+    assert "inference_occupancy" not in step_metrics([s([0], 1.0)], 0, SUMS, now, before, StepTimes(0, 1, 2, 0))
+    idle = step_metrics([s([0], 1.0)], 0, SUMS, before, before, StepTimes(0, 1, 2, 0), engine_slots=64)
+    assert "inference_occupancy" not in idle
