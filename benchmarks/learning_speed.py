@@ -8,10 +8,10 @@ after another, seed by seed (every mode of seed 0, then of seed 1, ...), so a dr
 Reports per mode, as the median and range over seeds: time to target (first step at which the mean sampled reward
 over the last --window steps reaches the target; the trainer's wall clock, engine start-up excluded) at the main
 and further targets, samples to target, final reward, ESS (mean, and the minimum of any step), mean / max lag,
-busy fractions, optimizer steps per second; `speedup_vs_conventional` = conventional G=1's median time to the
-target / this mode's, `speedup_vs_best_conventional` against the fastest conventional G. The bound
-B = (T_gen + T_train) / max(T_gen, T_train) comes from conventional G=1's busy fractions in the same run (its two
-sides take turns, so overlapping them perfectly would take max instead of the sum). Writes
+busy fractions, engine occupancy (median over steps), optimizer steps per second; `speedup_vs_conventional` =
+conventional G=1's median time to the target / this mode's, `speedup_vs_best_conventional` against the fastest
+conventional G. The bound B = (T_gen + T_train) / max(T_gen, T_train) comes from conventional G=1's busy fractions
+in the same run (its two sides take turns, so overlapping them perfectly would take max instead of the sum). Writes
 `learning_speed.json`, `learning_speed.md`, `learning_speed.png` (reward vs time and vs samples, one curve per
 seed; ESS vs step) under --out; TensorBoard: `tensorboard --logdir OUT/runs` shows one run per mode and seed.
 
@@ -136,6 +136,8 @@ def summarise(recs: list[dict], target: float, more_targets: list[float], window
     def mean(key: str, rows: list[dict] = steps) -> float:
         return sum(r[key] for r in rows) / len(rows)
 
+    occupancy = [r["inference_occupancy"] for r in steps if "inference_occupancy" in r]  # steps the engine was busy
+
     return {
         "steps": len(steps),
         "wall_s": steps[-1]["wall_time_s"],
@@ -150,6 +152,7 @@ def summarise(recs: list[dict], target: float, more_targets: list[float], window
         "mixed_version_frac": mean("mixed_version_frac"),
         "trainer_busy_frac": mean("trainer_busy_frac"),
         "inference_busy_frac": mean("inference_busy_frac"),
+        "inference_occupancy": statistics.median(occupancy) if occupancy else None,
         "steps_per_s": len(steps) / max(steps[-1]["wall_time_s"], 1e-9),
         "curve": {
             "wall_time_s": [r["wall_time_s"] for r in steps],
@@ -197,6 +200,8 @@ def aggregate(per_seed: list[dict]) -> dict:
         out["time_to_targets_s"][t], out["time_to_targets_range"][t] = med, [lo, hi]
     out["mean_ess"] = statistics.fmean(r["mean_ess"] for r in per_seed)
     out["min_ess"] = min(r["min_ess"] for r in per_seed)
+    occupancy = [r["inference_occupancy"] for r in per_seed if r.get("inference_occupancy") is not None]
+    out["inference_occupancy"] = statistics.median(occupancy) if occupancy else None
     out["mean_lag"] = statistics.fmean(r["mean_lag"] for r in per_seed)
     out["max_lag"] = max(r["max_lag"] for r in per_seed)
     return out
@@ -248,7 +253,7 @@ def table(
     head = (
         "| mode | time to target (s) | reached | samples to target | speedup vs conv G=1 | vs best conv | "
         + " | ".join(f"time / speedup @{t}" for t in targets if t != str(target))
-        + " | final reward | mean ESS | min ESS | lag mean / max | trainer busy | engine busy | "
+        + " | final reward | mean ESS | min ESS | lag mean / max | trainer busy | engine busy | engine occupancy | "
         "steps/s (vs conv G=1) |"
     )
     pipe = results.get("pipeline", {}).get("speedup_vs_conventional")
@@ -277,7 +282,7 @@ def table(
             f"{fmt(v['speedup_vs_conventional'])} | {fmt(v['speedup_vs_best_conventional'])} | {more} | "
             f"{v['final_reward']:.3f} | {v['mean_ess']:.3f} | {v['min_ess']:.3f} | "
             f"{v['mean_lag']:.2f} / {v['max_lag']} | "
-            f"{v['trainer_busy_frac']:.2f} | {v['inference_busy_frac']:.2f} | "
+            f"{v['trainer_busy_frac']:.2f} | {v['inference_busy_frac']:.2f} | {fmt(v.get('inference_occupancy'))} | "
             f"{v['steps_per_s']:.2f} ({fmt(v['throughput_vs_conventional'])}) |"
         )
     return "\n".join(lines)

@@ -76,3 +76,25 @@ def test_the_colocated_baseline_is_compared_but_never_counted_as_a_conventional_
     assert p["speedup_vs_best_conventional"] == pytest.approx(22.0 / 11.0)
     text = ls.table(results, 0.5, 10, ls.overlap_bound(0.5, 0.5), 3, "reference")
     assert "(reference engine)" in text and "1.27x the colocated baseline" in text
+
+
+def test_occupancy_is_the_median_over_busy_steps_and_absent_where_never_measured():
+    def recs(occ: list[float | None]) -> list[dict]:
+        out = []
+        for i, o in enumerate(occ):
+            r = {"reward_mean": 0.5, "wall_time_s": i + 1.0, "samples": 64 * (i + 1), "ess": 1.0, "lag_mean": 0.0}
+            r.update({"lag_max": 0, "mixed_version_frac": 0.0, "trainer_busy_frac": 0.5, "inference_busy_frac": 0.5})
+            if o is not None:
+                r["inference_occupancy"] = o
+            out.append(r)
+        return out
+
+    # a conventional G > 1 engine is idle through most steps: those carry no occupancy and must not count as 0
+    s = ls.summarise(recs([0.9, None, None, 0.7, 0.8]), 0.9, [], 2)
+    assert s["inference_occupancy"] == pytest.approx(0.8)
+    assert ls.summarise(recs([None, None]), 0.9, [], 2)["inference_occupancy"] is None
+    agg = ls.aggregate([{**run(10.0), "inference_occupancy": x} for x in (0.7, None, 0.9)])
+    assert agg["inference_occupancy"] == pytest.approx(0.8)
+    results = {"pipeline": agg}
+    ls.speedups(results)
+    assert "| 0.80 |" in ls.table(results, 0.5, 10, None, 3)
