@@ -78,10 +78,10 @@ TASK_SETTINGS = {
     "addition": ([], 0.8, "0.75,0.83", 200, 400, "pipeline,conventional:1,conventional:4"),
     # The long-tail task: worked sums of 2-12 two-digit terms (completions ~10-130 tokens), 128 samples per step.
     # The engine is the pure-PyTorch one: for this 0.8M model on one CPU core vLLM runs at 0.7-0.9x its speed (its
-    # engine core and client cost more than the model; benchmarks/engine_overhead.py), which would weigh the
-    # comparison towards whichever mode generates least. With it, conventional G=1's two sides are balanced
-    # (trainer busy ~0.48, engine ~0.53); with vLLM (`--engine vllm`) the engine takes ~61%. The 1500-step warm
-    # start (~15 min here, once) starts the sampled reward at ~0.65; 40 steps take every mode past 0.85.
+    # engine core and client add to the model's cost; benchmarks/engine_overhead.py). With it, conventional G=1's
+    # two sides are balanced (trainer busy ~0.48, engine ~0.53); with vLLM (`--engine vllm`) the engine takes ~58%
+    # of the work, for reasons of vLLM's overhead rather than of the task. The 1500-step warm start (~15 min here,
+    # once) starts the sampled reward at ~0.65; 40 steps take every mode past 0.85.
     "chain_sum": (
         [
             "--task.name=chain_sum",
