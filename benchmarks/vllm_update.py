@@ -3,19 +3,24 @@
 Exactly the job's arrangement: rank 0 plays the first trainer rank (bucketed broadcast over the store-built group),
 rank 1 runs `VLLMEngine` (engine core and worker in their own processes) and keeps generating while updates
 arrive. The pause is the engine's stall per update: scheduler paused -> the worker receives every bucket and
-reloads -> resumed (`VLLMEngine.load_update`, timed on rank 1), split into the worker-side receive and reload.
+loads it -> resumed (`VLLMEngine.load_update`, timed on rank 1); "in the worker" is the receive-and-load call
+inside it, of which "bucket waits" is the time spent waiting for buckets to arrive. Each load way
+(`inference.vllm_weight_load`, see pipelinerl_fsdp/inference/vllm_load.py) takes `--updates` updates in turn on
+the same engine, then the engine's generation speed with the weights as that way leaves them: 16 requests of 128
+tokens submitted together to the idle engine.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour debug
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour small
 
 One model per job, as in the real job (a second AsyncLLM started in the same process after closing the first hung
-here once; not investigated). Prints a table row; writes benchmarks/results/vllm_update_<flavour>.json.
+here once; not investigated). Prints a table row per load way; writes benchmarks/results/vllm_update_<flavour>.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +32,7 @@ from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement
 from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine
+from pipelinerl_fsdp.inference.vllm_load import LOADS
 from pipelinerl_fsdp.models import FLAVOURS, build_model, flavour_args, save_hf_folder
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer
@@ -45,7 +51,9 @@ def memcpy_ms(nbytes: int) -> float:
     return (time.perf_counter() - t0) * 1000
 
 
-def bench(name: str, n_updates: int, work: Path, world, cfg: Config, gpu: bool = False) -> dict | None:
+def bench(
+    name: str, n_updates: int, loads: list[str], work: Path, world, cfg: Config, gpu: bool = False
+) -> list[dict] | None:
     tok = build_char_tokenizer(ALPHABET)
     # the flavour's body with the character vocabulary ("small": 75.6M parameters then)
     args = flavour_args(name, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -63,7 +71,7 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config, gpu: bool =
     if world.rank == 0:
         group = join_store_group(*store_address(), f"bench_{name}", 0, 2, "gloo", torch.device("cpu"), 600)
         sender = WeightSender(model, world.weight_group, 0, True, wire, torch.device("cpu"), BUCKET, group)
-        for v in range(1, n_updates + 1):
+        for v in range(1, n_updates * len(loads) + 1):
             dist.barrier()  # the engine is generating
             sender.push(v)
         dist.barrier()
@@ -79,6 +87,7 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config, gpu: bool =
         placement=VLLMPlacement(cpu_cores=None, gpu_ids=[0]) if gpu else vllm_placement(cfg, world),
         kv_cache_gib=1,
         ignore_eos=True,
+        weight_load=loads[0],
     )
     receiver = WeightReceiver(layout, world.weight_group, 0, wire, torch.device("cpu"), BUCKET)
     engine.join_weight_group(
@@ -101,63 +110,100 @@ def bench(name: str, n_updates: int, work: Path, world, cfg: Config, gpu: bool =
             engine.add(Request(next_id, torch.randint(3, len(tok), (8,), generator=gen).tolist(), 128))
             next_id += 1
 
+    def tokens_per_s(n: int = 16) -> float:
+        """Completion tokens per second of `n` requests of 128 tokens submitted together to an idle engine."""
+        nonlocal next_id
+        while engine.num_unfinished():
+            engine.step(timeout=0.05)
+        tokens0 = engine.generated_tokens
+        t0 = time.perf_counter()
+        for _ in range(n):
+            engine.add(Request(next_id, torch.randint(3, len(tok), (8,), generator=gen).tolist(), 128))
+            next_id += 1
+        while engine.num_unfinished():
+            engine.step(timeout=0.01)
+        return (engine.generated_tokens - tokens0) / (time.perf_counter() - t0)
+
     top_up()
     print(f"[{name}] engine up, generating", flush=True)
     while not engine.step(timeout=0.1):  # first requests done: past vLLM's warm-up
         top_up()
     print(f"[{name}] first requests done", flush=True)
-    pauses = []
-    for _ in range(n_updates):
-        top_up()
-        time.sleep(0.2)
-        dist.barrier()
-        _, version = receiver.wait_header()
-        t0 = time.perf_counter()
-        engine.load_update(receiver, version, recompute=False)
-        pauses.append((time.perf_counter() - t0) * 1000)
-        print(f"[{name}] update {version}: {pauses[-1]:.1f} ms", flush=True)
-        receiver.post()
-        engine.step(timeout=0.01)
+    rows = []
+    for load in loads:
+        engine.set_weight_load(load)
+        pauses, loads_ms, waits_ms = [], [], []
+        for _ in range(n_updates):
+            top_up()
+            time.sleep(0.2)
+            dist.barrier()
+            _, version = receiver.wait_header()
+            t0 = time.perf_counter()
+            engine.load_update(receiver, version, recompute=False)
+            pauses.append((time.perf_counter() - t0) * 1000)
+            load_s, wait_s = engine.last_load_seconds()
+            loads_ms.append(load_s * 1000)
+            waits_ms.append(wait_s * 1000)
+            print(
+                f"[{name}] {load} update {version}: pause {pauses[-1]:.1f} ms, in the worker {loads_ms[-1]:.1f} "
+                f"ms (waiting for buckets {waits_ms[-1]:.1f})",
+                flush=True,
+            )
+            receiver.post()
+            engine.step(timeout=0.01)
+        rows.append(
+            {
+                "model": name,
+                "load": load,
+                "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+                "mb": nbytes / 1e6,
+                "pause_ms_median": statistics.median(pauses),
+                "pause_ms_min": min(pauses),
+                "pause_ms_max": max(pauses),
+                "worker_load_ms_median": statistics.median(loads_ms),
+                "bucket_wait_ms_median": statistics.median(waits_ms),
+                "memcpy_ms": memcpy_ms(nbytes),
+                # the engine's speed with the weights as this load leaves them ("unpacked" changes the CPU kernels)
+                "tokens_per_s": tokens_per_s(),
+            }
+        )
     dist.barrier()
     engine.close()
-    pauses.sort()
-    return {
-        "model": name,
-        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
-        "mb": nbytes / 1e6,
-        "pause_ms_median": pauses[len(pauses) // 2],
-        "pause_ms_min": pauses[0],
-        "pause_ms_max": pauses[-1],
-        "memcpy_ms": memcpy_ms(nbytes),
-    }
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--flavour", choices=sorted(FLAVOURS), default="debug")
-    p.add_argument("--updates", type=int, default=5)
+    p.add_argument("--updates", type=int, default=5, help="updates per load way")
+    p.add_argument("--loads", default=",".join(LOADS), help=f"load ways to compare, in this order ({LOADS})")
     p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/vllm_update_<flavour>.json")
     p.add_argument("--gpu", action="store_true", help="the engine on GPU 0 in bf16 (scripts/gpu_check.sh)")
     a = p.parse_args()
+    loads = a.loads.split(",")
+    for load in loads:
+        if load not in LOADS:
+            p.error(f"--loads: {load!r} is not one of {LOADS}")
     cfg = Config()
     cfg.job.stage, cfg.inference.engine, cfg.world.inference_ranks = "rl", "vllm", 1
     world = init_world(cfg)
-    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        obj = [str(work)]
+        obj = [tmp]
         dist.broadcast_object_list(obj, src=0)  # one folder for both ranks
-        row = bench(a.flavour, a.updates, Path(obj[0]), world, cfg, a.gpu)
-        if row:
-            rows.append(row)
+        rows = bench(a.flavour, a.updates, loads, Path(obj[0]), world, cfg, a.gpu)
     if world.rank == 1:
-        print("| model | MB | pause ms (median, min..max) | memcpy ms | pause / memcpy |")
-        print("|---|---|---|---|---|")
+        assert rows is not None
+        print(
+            "| model | load | MB | pause ms (median, min..max) | in the worker (bucket waits) | memcpy ms | "
+            "pause / memcpy | tokens/s after |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(
-                f"| {r['model']} ({r['params_m']:.1f}M) | {r['mb']:.1f} | {r['pause_ms_median']:.1f} "
-                f"({r['pause_ms_min']:.1f}..{r['pause_ms_max']:.1f}) | {r['memcpy_ms']:.1f} | "
-                f"{r['pause_ms_median'] / max(r['memcpy_ms'], 1e-9):.0f}x |",
+                f"| {r['model']} ({r['params_m']:.1f}M) | {r['load']} | {r['mb']:.1f} | {r['pause_ms_median']:.1f} "
+                f"({r['pause_ms_min']:.1f}..{r['pause_ms_max']:.1f}) | {r['worker_load_ms_median']:.1f} "
+                f"({r['bucket_wait_ms_median']:.1f}) | {r['memcpy_ms']:.2f} | "
+                f"{r['pause_ms_median'] / max(r['memcpy_ms'], 1e-9):.0f}x | {r['tokens_per_s']:.0f} |",
                 flush=True,
             )
         out = a.out or Path(f"benchmarks/results/vllm_update_{a.flavour}.json")

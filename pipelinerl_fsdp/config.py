@@ -186,6 +186,10 @@ class InferenceConfig:
     max_num_batched_tokens: int = 0
     # weights of the engines and of the weight broadcast; auto: bfloat16 on GPU, float32 on CPU
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # how a vLLM worker loads an update (inference/vllm_load.py): reload (vLLM's generic reload_weights),
+    # inplace (the model's load_weights; CPU linears repacked), unpacked (CPU linears unpacked: copies only);
+    # auto: inplace on GPU, on CPU unpacked up to hidden size 256, else inplace
+    vllm_weight_load: Literal["auto", "reload", "inplace", "unpacked"] = "auto"
 
 
 @dataclass

@@ -11,8 +11,8 @@ holds, how many output tokens it has sampled so far and returns those counts. To
 were sampled by the older weights, the rest by the newer ones; a request the worker does not hold yet (queued,
 never scheduled) gets count 0. Each request keeps a list of (first token index, version) segments.
 
-Loads go through vLLM's `reload_weights` (on CPU vLLM repacks linear weights after loading, so copying into
-parameters would silently do nothing); it keeps the KV cache of running requests. The recompute switch pauses
+Loads go into the running model (`vllm_load.py`: the model's `load_weights` into kept weights by default, or vLLM's
+`reload_weights`); either keeps the KV cache of running requests. The recompute switch pauses
 with `clear_cache=True`, which preempts running requests so they are prefilled again under the new weights.
 """
 
@@ -32,6 +32,7 @@ import torch
 
 from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request
 from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement
+from pipelinerl_fsdp.inference.vllm_load import resolve_weight_load
 from pipelinerl_fsdp.models import ModelArgs, Transformer, read_model_args
 from pipelinerl_fsdp.transport.store_group import store_address
 from pipelinerl_fsdp.transport.weights import WeightReceiver
@@ -148,6 +149,7 @@ class VLLMEngine(Engine):
             stop_token_ids=s.stop_token_ids,
             debug=cfg.job.debug,
             max_num_batched_tokens=inf.max_num_batched_tokens,
+            weight_load=resolve_weight_load(inf.vllm_weight_load, model_args.hidden_size, s.device.type == "cuda"),
         )
         # header only on this process; the engine's workers join the bucket group with the first trainer rank
         receiver = WeightReceiver(
@@ -186,6 +188,7 @@ class VLLMEngine(Engine):
         stop_token_ids: list[int] | None = None,
         debug: bool = False,
         max_num_batched_tokens: int = 0,
+        weight_load: str = "reload",
     ) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -200,6 +203,7 @@ class VLLMEngine(Engine):
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, placement.gpu_ids))
         self.temperature, self.top_p, self.seed, self.ignore_eos = temperature, top_p, seed, ignore_eos
         self.stop_token_ids = list(stop_token_ids or [])
+        self.weight_load = weight_load  # how the workers load updates (vllm_load.LOADS)
         self.version = 0
         self.generated_tokens, self.busy_s, self.pause_s = 0, 0.0, 0.0
         # sequences in flight integrated over time, up to _seq_mark (counted from this thread: a request is in
@@ -344,10 +348,20 @@ class VLLMEngine(Engine):
                     dtype,
                     bucket_bytes,
                     group_name,
+                    self.weight_load,
                 ),
             ),
             "joining the weight-update group",
         )
+
+    def set_weight_load(self, load: str) -> None:
+        """Switch how the workers load the next updates (`vllm_load.LOADS`); benchmarks compare the ways."""
+        self._call(self.llm.collective_rpc("set_weight_load", args=(load,)), "switching the weight load")
+        self.weight_load = load
+
+    def last_load_seconds(self) -> tuple[float, float]:
+        """The first worker's last load: wall seconds, and of those the seconds waiting for buckets."""
+        return tuple(self._call(self.llm.collective_rpc("last_load_seconds"), "the last load's timing")[0])
 
     def _count_sequences(self) -> None:
         now = time.perf_counter()

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl_fsdp.faults import maybe_fail
+from pipelinerl_fsdp.inference.vllm_load import LOADS, InPlaceLoader
 from pipelinerl_fsdp.processes import parent_of
 from pipelinerl_fsdp.transport.store_group import join_store_group
 from pipelinerl_fsdp.transport.weights import BucketLayout, broadcast_bucket, in_decoder_layer, slot_sizes
@@ -46,7 +47,7 @@ def _watch_rank(rank_pid: int, core_pid: int, period_s: float) -> None:
 
 
 class WeightUpdateExtension:
-    """Receives the trainer's weight broadcast straight into this worker and loads it with vLLM's reload path."""
+    """Receives the trainer's weight broadcast straight into this worker and loads it into the running model."""
 
     def join_weight_group(
         self,
@@ -60,8 +61,11 @@ class WeightUpdateExtension:
         dtype: str,
         bucket_bytes: int,
         group_name: str = "vllm_weights",
+        load: str = "reload",
     ) -> None:
-        """Join the bucket group as `base_rank + this worker's tensor-parallel rank`; allocate receive buffers."""
+        """Join the bucket group as `base_rank + this worker's tensor-parallel rank`; allocate receive buffers;
+        load updates the `load` way (`vllm_load.LOADS`)."""
+        self.set_weight_load(load)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._pl_layout = BucketLayout(
             [(n, torch.Size(s)) for n, s in names_and_shapes], getattr(torch, dtype), bucket_bytes
@@ -77,6 +81,18 @@ class WeightUpdateExtension:
         logging.getLogger(RELOAD_LOGGER).addFilter(_drop_rotary_reload_warning)
         rank = base_rank + int(getattr(self, "rank", 0))
         self._pl_group = join_store_group(host, port, group_name, rank, size, backend, device, timeout_s)
+
+    def set_weight_load(self, load: str) -> None:
+        """How the next updates are loaded: one of `vllm_load.LOADS` (see that module)."""
+        if load not in LOADS:
+            raise ValueError(f"inference.vllm_weight_load: {load!r} is not one of {LOADS}")
+        previous: InPlaceLoader | None = getattr(self, "_pl_inplace", None)
+        if previous is not None:
+            previous.release()
+        self._pl_load = load
+        self._pl_inplace = (
+            None if load == "reload" else InPlaceLoader(self.model_runner.get_model(), unpacked=load == "unpacked")
+        )
 
     def watch_inference_rank(self, rank_pid: int, rank: int = -1, period_s: float = 1.0) -> None:
         """Start the watchdog that ends this engine when its inference rank's process dies (`_watch_rank`);
@@ -121,7 +137,9 @@ class WeightUpdateExtension:
         nxt = post(0)
         for b in range(len(layout.sizes)):
             flat, work = nxt
+            t0 = time.perf_counter()
             work.wait()
+            self._pl_wait_s += time.perf_counter() - t0
             if b + 1 < len(layout.sizes):
                 # the next bucket arrives while vLLM loads this one; its buffer held bucket b - 1, whose layers
                 # vLLM processed before asking for this bucket's first tensor
@@ -131,14 +149,28 @@ class WeightUpdateExtension:
             for name, view in layout.views(b, flat):
                 # vLLM processes a module once all of its elements are loaded; the vocabulary layers (embeddings,
                 # head: padded to a multiple of 64 rows) never reach that count and are processed at the very end,
-                # by which time their buffer holds another bucket: those get a copy of their own
-                yield name, (view if in_decoder_layer(name) else view.clone())
+                # by which time their buffer holds another bucket: those get a copy of their own ("reload" only:
+                # the in-place loads copy every tensor as it comes)
+                own = self._pl_load == "reload" and not in_decoder_layer(name)
+                yield name, (view.clone() if own else view)
 
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
         counts = {
             rid: sum(1 for t in state.output_token_ids if t >= 0)  # -1: async-scheduling placeholder
             for rid, state in self.model_runner.requests.items()
         }
-        # checkpoint format: HF names and shapes; vLLM fuses q/k/v and gate/up and repacks CPU weights itself.
-        self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        t0 = time.perf_counter()
+        self._pl_wait_s = 0.0  # the streamed iterator adds its waits as the load consumes it
+        if self._pl_load == "reload":
+            # checkpoint format: HF names and shapes; vLLM fuses q/k/v and gate/up and repacks CPU weights itself
+            self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        else:
+            assert self._pl_inplace is not None
+            self._pl_inplace.load(weights)
+        self._pl_load_s = time.perf_counter() - t0
         return counts
+
+    def last_load_seconds(self) -> tuple[float, float]:
+        """Wall seconds of the last `_load`, and of those the seconds spent waiting for buckets to arrive
+        (0 for a staged update)."""
+        return self._pl_load_s, self._pl_wait_s

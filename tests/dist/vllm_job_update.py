@@ -6,9 +6,10 @@ Phase 1 (keep KV): engine starts with `old`, the update carries `new` (version 1
 start under `new`, the update carries `old` again (version 2) with `recompute=True`. For every request the
 versions the engine reports must split the tokens exactly where the weights changed: log-probs before the split
 match the old weights; after it they match "old-weight KV + new weights" (phase 1) or a full recompute under the
-new weights (phase 2). A split off by one token would mismatch. Prints VLLM_JOB_OK on success (rank 1).
+new weights (phase 2). A split off by one token would mismatch, and so would weights loaded wrong (a fused q/k/v
+slice in the wrong place, a CPU linear still computing with its old packed copy). Prints VLLM_JOB_OK on success.
 
-Run: torchrun --nproc-per-node 2 tests/dist/vllm_job_update.py WORK_DIR
+Run: torchrun --nproc-per-node 2 tests/dist/vllm_job_update.py WORK_DIR [LOAD]   (LOAD: inference.vllm_weight_load)
 """
 
 import os
@@ -40,6 +41,7 @@ PROMPTS = [[3, 4, 5, 13], [6, 7, 8, 9, 13], [10, 13], [11, 12, 13]]
 
 def main() -> None:
     work = Path(sys.argv[1])
+    load = sys.argv[2] if len(sys.argv) > 2 else "reload"
     cfg = Config()
     cfg.job.stage, cfg.inference.engine, cfg.world.inference_ranks = "rl", "vllm", 1
     world = init_world(cfg)
@@ -67,7 +69,8 @@ def main() -> None:
         dist.barrier()
         return
     engine = VLLMEngine(work / "old", max_num_seqs=8, max_len=MAX_LEN, temperature=T, top_p=1.0, seed=0,
-                        dtype="float32", placement=vllm_placement(cfg, world), kv_cache_gib=1, ignore_eos=True)
+                        dtype="float32", placement=vllm_placement(cfg, world), kv_cache_gib=1, ignore_eos=True,
+                        weight_load=load)
     receiver = WeightReceiver(layout, world.weight_group, 0, torch.float32, torch.device("cpu"), bucket)
     engine.join_weight_group(*store_address(), 1, 2, "gloo", 120, [(n, list(s)) for n, s in layout], "float32", bucket)
     models = {0: old, 1: new, 2: old}

@@ -38,9 +38,11 @@ def test_vllm_logprobs_equal_our_decoder(default_warmstart):
     assert float(m.group(1)) < 1e-4
 
 
-def test_vllm_in_the_job_takes_updates_with_exact_versions(tmp_path):
-    """AsyncLLM in its own process, buckets received by vLLM's worker over the store group, keep-KV and recompute."""
-    r = torchrun_script(2, ROOT / "tests" / "dist" / "vllm_job_update.py", str(tmp_path), timeout=600)
+@pytest.mark.parametrize("load", ["reload", "inplace", "unpacked"])
+def test_vllm_in_the_job_takes_updates_with_exact_versions(tmp_path, load):
+    """AsyncLLM in its own process, buckets received by vLLM's worker over the store group, keep-KV and recompute;
+    every way of loading an update (`inference.vllm_weight_load`)."""
+    r = torchrun_script(2, ROOT / "tests" / "dist" / "vllm_job_update.py", str(tmp_path), load, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "VLLM_JOB_OK" in r.stdout
     splits = re.findall(r"splits \[([\d, ]+)\]", r.stdout)
