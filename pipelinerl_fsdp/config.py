@@ -218,6 +218,9 @@ class RLConfig:
     max_lag: int = 8
     # push weights to the engines every sync_every optimizer steps (G of the conventional mode)
     sync_every: int = 1
+    # the trainer posts a weight push and goes on with its next step while the engines take it (it waits for the
+    # push only before the optimizer changes the weights again); false: every push is waited for in its step
+    overlap_push: bool = True
 
 
 @dataclass

@@ -184,6 +184,10 @@ class RLTrainer:
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
         lr = self.policy.lr
+        t_finish = time.perf_counter()
+        with waiting_for(f"the engines to receive weight version {self.version}", world.rank):
+            finished = self.sender.finish()  # an overlapped push may still read the parameters changed now
+        finish_s = time.perf_counter() - t_finish
         grad_norm = self.policy.step()
         trained_version = self.version
         if not math.isfinite(grad_norm):  # nothing was applied: same weights, same version, nothing to push
@@ -205,8 +209,10 @@ class RLTrainer:
         push, t_push = None, time.perf_counter()
         if sync:
             with waiting_for(f"the engines to receive weight version {self.version}", world.rank):
-                push = self.sender.push(self.version)
-        self._push_s = time.perf_counter() - t_push
+                push = self.sender.push(self.version, wait=not cfg.rl.overlap_push)
+        push = push or finished  # the statistics of the last push that has ended
+        # the trainer's time blocked on pushes this step: this one, and the wait for the previous one above
+        self._push_s = time.perf_counter() - t_push + finish_s
         sums = dict(zip(LOSS_SUMS, sum_over_ranks([stats.get(k, 0.0) for k in LOSS_SUMS], world.trainer_group, device)))
         t_end = time.perf_counter()
         if self.collector is not None:

@@ -4,7 +4,7 @@
 # 1. our trainer step in bf16 on a Qwen2.5-0.5B-shaped model (random weights, from its config): tokens/s, MFU,
 #    peak memory, with and without activation checkpointing, and the SDPA kernel packed rows get;
 # 2. vLLM (CUDA, bf16) tokens/s through the job's engine class against our reference engine on the same model;
-# 3. a weight update into a CUDA vLLM engine while it generates: the pause and the per-token versions
+# 3. a weight update into a CUDA vLLM engine while it generates: the pause with vLLM's reload and in place
 #    (over gloo: one GPU cannot hold both ends of an NCCL group; multi-GPU NCCL runs in the real job).
 # Each part has its own time limit; the tables and JSON land in OUT_DIR (default benchmarks/results/gpu_check).
 set -uo pipefail
@@ -28,5 +28,5 @@ part step_0.5b_ac 150 "$PY" benchmarks/train_step_speed.py --flavour qwen2.5-0.5
 part engines 150 "$PY" benchmarks/engines.py --gpu --flavours qwen2.5-0.5b --prompts 64 --max-tokens 128 \
   --out "$OUT/engines.json"
 part vllm_update 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py \
-  --gpu --flavour qwen2.5-0.5b --updates 5 --out "$OUT/vllm_update.json"
+  --gpu --flavour qwen2.5-0.5b --updates 5 --loads reload,inplace --out "$OUT/vllm_update.json"
 exit $status

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -122,6 +122,19 @@ class PushStats:
         return self.bytes / 1e6 / max(self.broadcast_s, 1e-9)
 
 
+@dataclass
+class _Pending:
+    """A push whose buckets are posted but maybe not yet received."""
+
+    version: int
+    nbytes: int
+    t_gather: float
+    t_gather_first: float
+    t_header: float
+    works: list[dist.Work]
+    ends: list[float] = field(default_factory=list)  # perf_counter() at each work's completion
+
+
 class WeightSender:
     """On every trainer rank (the gather is collective); only `src` broadcasts."""
 
@@ -154,6 +167,7 @@ class WeightSender:
             if is_src
             else []
         )
+        self._pending: _Pending | None = None
 
     def _header(self, kind: int, version: int) -> None:
         if self.is_src:
@@ -161,8 +175,9 @@ class WeightSender:
             dist.broadcast(header, self.src, group=self.group)
 
     @torch.no_grad()
-    def push(self, version: int) -> PushStats | None:
-        """Gather and broadcast all weights tagged with `version`.
+    def push(self, version: int, wait: bool = True) -> PushStats | None:
+        """Gather and broadcast all weights tagged with `version`; with `wait` false, return once every bucket is
+        posted (the engines receive them while the trainer goes on) and call `finish` before the parameters change.
 
         Each bucket's shards are cast to the engine dtype before the all-gather (half the bytes for bf16), gathered
         into a send buffer and broadcast asynchronously, so the next bucket's gather overlaps this broadcast; at
@@ -171,6 +186,7 @@ class WeightSender:
 
         When the job is stopping (stopping.py) the source sends nothing more, but keeps gathering in step with
         the other trainer ranks, and returns None: the engines are gone or going."""
+        self.finish()  # the previous push's buffers are reused below
         nbytes, t_gather, t_gather_first = 0, 0.0, 0.0
         t_header = time.perf_counter()
         works: list[dist.Work | None] = [None] * len(self._flat)
@@ -218,22 +234,35 @@ class WeightSender:
                 sending = False
         if self.is_src and not sending:
             return None
+        pending = _Pending(version, nbytes, t_gather, t_gather_first, t_header, [w for w in works + direct if w])
+        for w in pending.works:  # when each transfer ends, even while the trainer is busy elsewhere
+            w.get_future().add_done_callback(lambda _: pending.ends.append(time.perf_counter()))
+        self._pending = pending
+        return self.finish() if wait else None
+
+    def finish(self) -> PushStats | None:
+        """Wait until the last push has left this rank (every bucket received); its statistics, or None when there
+        is none pending or the job is stopping. Its send buffers, and the parameters sent as they are, are free
+        again."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return None
         try:
-            for w in works + direct:
-                if w is not None:
-                    w.wait()
+            for w in p.works:
+                w.wait()
         except RuntimeError:
             if stopping.explains_failure():
                 return None
             raise
         # broadcast time: from the header to the last bucket's arrival, less the gathers done meanwhile
-        t_bcast = time.perf_counter() - t_header - (t_gather - t_gather_first)
-        return PushStats(version, nbytes, t_gather, max(t_bcast, 0.0))
+        t_end = max(p.ends) if p.ends and len(p.ends) == len(p.works) else time.perf_counter()
+        t_bcast = t_end - p.t_header - (p.t_gather - p.t_gather_first)
+        return PushStats(p.version, p.nbytes, p.t_gather, max(t_bcast, 0.0))
 
     def _as_is(self, bucket: list[int]) -> torch.Tensor | None:
         """A bucket of one parameter that this rank holds whole, contiguous and in the engine dtype (a 1-rank
         trainer in fp32: the embeddings, the head) is broadcast from the parameter itself, with no copy; the
-        parameters do not change until `push` returns. None: gather it into a send buffer."""
+        parameters do not change until the push is finished (`finish`). None: gather it into a send buffer."""
         if len(bucket) != 1:
             return None
         p = self.params[bucket[0]][1].detach()
@@ -273,6 +302,7 @@ class WeightSender:
 
     def stop(self) -> None:
         """Tell every receiver that no more updates will come."""
+        self.finish()
         self._header(STOP, -1)
 
 
