@@ -33,11 +33,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from pipelinerl_fsdp.checkpoint import export_folder
 from pipelinerl_fsdp.config import Config, load_config
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
 from pipelinerl_fsdp.metrics import MetricsLogger, rl_console
-from pipelinerl_fsdp.models.hf_io import load_hf_model
+from pipelinerl_fsdp.models.hf_io import load_hf_model, save_hf_folder
 from pipelinerl_fsdp.parallelize import DTYPES, apply_fsdp, resolve_fp32_head, resolve_param_dtype
 from pipelinerl_fsdp.policy import build_policy
 from pipelinerl_fsdp.preflight import engine_max_len, sequence_limits, stop_token_ids
@@ -149,6 +150,11 @@ class Colocated:
         self.engine.set_version(self.version)
         return {k: stats.get(k, 0.0) for k in LOSS_SUMS}, grad_norm
 
+    def export(self, out: Path) -> None:
+        """The policy as an HF folder, from the generator's copy (the same weights, no gather)."""
+        save_hf_folder(out, self.generator.args, self.generator.state_dict(), dtype=torch.float32)
+        self.tokenizer.save_pretrained(str(out))
+
 
 def main(argv: list[str]) -> None:
     cfg = load_config(argv)
@@ -190,6 +196,9 @@ def main(argv: list[str]) -> None:
         before, t_prev = engines, t_end
         last = step + 1 == cfg.rl.max_steps
         logger.log(step + 1, values, console=(step + 1) % cfg.metrics.log_every == 0 or step == 0 or last)
+        every = cfg.checkpoint.export_every
+        if last or (every and (step + 1) % every == 0):  # as the job's trainer: periodic exports, then final/
+            run.export(Path(cfg.job.output_dir) / "final" if last else export_folder(cfg, step + 1))
     logger.close()
     run.scorer.close()
     dist.destroy_process_group()

@@ -5,15 +5,23 @@ Every mode runs the same job (`train_configs/arithmetic.toml` unless --config), 
 step, once per seed (`job.seed`: problems and sampling); only `rl.mode` and `rl.sync_every` (G) change. Runs go one
 after another, seed by seed (every mode of seed 0, then of seed 1, ...), so a drift of the machine hits all modes.
 
-Reports per mode, as the median and range over seeds: time to target (first step at which the mean sampled reward
-over the last --window steps reaches the target; the trainer's wall clock, engine start-up excluded) at the main
-and further targets, samples to target, final reward, ESS (mean, and the minimum of any step), mean / max lag,
+Reports per mode, as the median and range over seeds: time to target at the main and further targets (the
+trainer's wall clock, engine start-up excluded), samples to target, final reward, ESS (mean, and the minimum of any
+step), mean / max lag,
 busy fractions, engine occupancy (median over steps), optimizer steps per second; `speedup_vs_conventional` =
 conventional G=1's median time to the target / this mode's, `speedup_vs_best_conventional` against the fastest
 conventional G. The bound B = (T_gen + T_train) / max(T_gen, T_train) comes from conventional G=1's busy fractions
 in the same run (its two sides take turns, so overlapping them perfectly would take max instead of the sum). Writes
 `learning_speed.json`, `learning_speed.md`, `learning_speed.png` (reward vs time and vs samples, one curve per
 seed; ESS vs step) under --out; TensorBoard: `tensorboard --logdir OUT/runs` shows one run per mode and seed.
+
+The targets are of the held-out greedy accuracy (`--metric accuracy`, the default): every run exports its policy
+every --eval-every steps (`checkpoint.export_every`), and after the run `export_eval.py` evaluates the exports on a
+fixed set of held-out problems; time to target is where the curve, linear between exports, first reaches it. This
+measures the policy when it was trained, with little noise (the same problems for every mode, greedy). The sampled
+reward (`--metric reward`: the first step at which its mean over the last --window steps reaches the target) is
+reported beside it; in pipeline mode it is the reward of samples drawn `lag` versions earlier, so it trails the
+policy by the lag and charges pipeline for a delay of the measurement.
 
   python benchmarks/learning_speed.py --quick                  # addition: 3 modes, 3 seeds
   python benchmarks/learning_speed.py --task chain_sum --quick # long tail (2..12-term worked sums): pipeline,
@@ -29,11 +37,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from export_eval import Evaluator, crossing, load_config
 from torchrun_job import ROOT, job_command, run_job, run_logged
 
 
@@ -52,7 +63,16 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="inference.engine of every run (default: per task)",
     )
-    p.add_argument("--target", type=float, default=None, help="target mean reward (default: per task)")
+    p.add_argument(
+        "--metric",
+        choices=["accuracy", "reward"],
+        default="accuracy",
+        help="what the targets are of: held-out greedy accuracy of the policy exported every --eval-every steps "
+        "(evaluated after each run, outside its time), or the sampled reward's moving average over --window steps",
+    )
+    p.add_argument("--eval-size", type=int, default=None, help="held-out problems per evaluation (default: per task)")
+    p.add_argument("--eval-every", type=int, default=None, help="optimizer steps between exports (default: per task)")
+    p.add_argument("--target", type=float, default=None, help="main target of --metric (default: per task)")
     p.add_argument(
         "--more-targets",
         default=None,
@@ -73,16 +93,32 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+@dataclass(frozen=True)
+class TaskSettings:
+    overrides: list[str]
+    # main target, further targets: of the held-out accuracy (--metric accuracy) and of the sampled reward
+    accuracy_targets: tuple[float, str]
+    reward_targets: tuple[float, str]
+    quick_steps: int
+    full_steps: int
+    quick_modes: str
+    # held-out problems evaluated per export, and steps between exports (quick, full)
+    eval_size: int
+    eval_every: tuple[int, int]
+
+
 TASK_SETTINGS = {
-    # overrides, default target, further targets, quick steps, full steps, quick modes
-    "addition": ([], 0.8, "0.75,0.83", 200, 400, "pipeline,conventional:1,conventional:4"),
+    "addition": TaskSettings(
+        [], (0.8, "0.75,0.83"), (0.8, "0.75,0.83"), 200, 400, "pipeline,conventional:1,conventional:4", 500, (10, 10)
+    ),
     # The long-tail task: worked sums of 2-12 two-digit terms (completions ~10-130 tokens), 128 samples per step.
     # The engine is the pure-PyTorch one: for this 0.8M model on one CPU core vLLM runs at 0.7-0.9x its speed (its
     # engine core and client add to the model's cost; benchmarks/engine_overhead.py). With it, conventional G=1's
     # two sides are balanced (trainer busy ~0.48, engine ~0.53); with vLLM (`--engine vllm`) the engine takes ~58%
     # of the work, for reasons of vLLM's overhead rather than of the task. The 1500-step warm start (~15 min here,
-    # once) starts the sampled reward at ~0.65; 40 steps take every mode past 0.85.
-    "chain_sum": (
+    # once) starts the held-out greedy accuracy at 0.77 (256 problems) and the sampled reward at ~0.65; the quick
+    # run's 32 steps take every mode past 0.9 accuracy and 0.85 reward.
+    "chain_sum": TaskSettings(
         [
             "--task.name=chain_sum",
             "--task.digits=2",
@@ -94,11 +130,13 @@ TASK_SETTINGS = {
             "--rl.batch_size=128",
             "--inference.max_num_seqs=128",
         ],
-        0.8,
-        "0.75,0.85",
-        40,
+        (0.85, "0.8,0.9"),
+        (0.8, "0.75,0.85"),
+        32,
         40,
         "pipeline,conventional:1,colocated",
+        256,
+        (4, 4),
     ),
 }
 # the engine of every run unless --engine says otherwise
@@ -125,12 +163,34 @@ def first_hit(smooth: list[float], target: float, window: int) -> int | None:
     return next((i for i, v in enumerate(smooth) if i + 1 >= window and v >= target), None)
 
 
-def summarise(recs: list[dict], target: float, more_targets: list[float], window: int) -> dict:
-    """Per-mode numbers from its metrics.jsonl records (one per optimizer step)."""
+def summarise(
+    recs: list[dict],
+    target: float,
+    more_targets: list[float],
+    window: int,
+    curve: dict[str, list[float]] | None = None,
+    reward_targets: list[float] = (),
+) -> dict:
+    """Per-mode numbers from its metrics.jsonl records (one per optimizer step) and, when given, its held-out
+    accuracy curve (`export_eval.Evaluator.curve`). The targets (main first) apply to the curve when there is one
+    (the time at which its linear interpolation first reaches them), else to the sampled reward's moving average;
+    with a curve the sampled reward's times to `reward_targets` are kept as `reward_time_to_targets_s`."""
     steps = [r for r in recs if "reward_mean" in r]
     smooth = moving_average([r["reward_mean"] for r in steps], window)
-    hit = first_hit(smooth, target, window)
-    hits = {t: first_hit(smooth, t, window) for t in sorted({target, *more_targets})}
+    targets = sorted({target, *more_targets})
+
+    def reward_hits(ts: list[float]) -> dict[str, tuple[float | None, float | None]]:
+        out = {}
+        for t in ts:
+            i = first_hit(smooth, t, window)
+            out[str(t)] = (None, None) if i is None else (steps[i]["wall_time_s"], steps[i]["samples"])
+        return out
+
+    if curve is None:
+        hits = reward_hits(targets)
+    else:
+        acc = curve["accuracy"]
+        hits = {str(t): (crossing(curve["wall_time_s"], acc, t), crossing(curve["samples"], acc, t)) for t in targets}
     tail = steps[-window:]
 
     def mean(key: str, rows: list[dict] = steps) -> float:
@@ -138,12 +198,12 @@ def summarise(recs: list[dict], target: float, more_targets: list[float], window
 
     occupancy = [r["inference_occupancy"] for r in steps if "inference_occupancy" in r]  # steps the engine was busy
 
-    return {
+    out = {
         "steps": len(steps),
         "wall_s": steps[-1]["wall_time_s"],
-        "time_to_target_s": steps[hit]["wall_time_s"] if hit is not None else None,
-        "samples_to_target": steps[hit]["samples"] if hit is not None else None,
-        "time_to_targets_s": {str(t): steps[i]["wall_time_s"] if i is not None else None for t, i in hits.items()},
+        "time_to_target_s": hits[str(target)][0],
+        "samples_to_target": hits[str(target)][1],
+        "time_to_targets_s": {t: h[0] for t, h in hits.items()},
         "final_reward": mean("reward_mean", tail),
         "mean_ess": mean("ess"),
         "min_ess": min(r["ess"] for r in steps),
@@ -163,6 +223,11 @@ def summarise(recs: list[dict], target: float, more_targets: list[float], window
             "lag_mean": [r["lag_mean"] for r in steps],
         },
     }
+    if curve is not None:
+        out["final_accuracy"] = curve["accuracy"][-1]
+        out["eval_curve"] = curve
+        out["reward_time_to_targets_s"] = {t: h[0] for t, h in reward_hits(list(reward_targets)).items()}
+    return out
 
 
 def median_range(xs: list[float | None]) -> tuple[float | None, float | None, float | None]:
@@ -193,11 +258,20 @@ def aggregate(per_seed: list[dict]) -> dict:
         med, lo, hi = median_range([r[key] for r in per_seed])
         out[key], out[f"{key}_range"] = med, [lo, hi]
     out["reached_target"] = sum(r["time_to_target_s"] is not None for r in per_seed)
-    out["time_to_targets_s"] = {}
-    out["time_to_targets_range"] = {}
-    for t in per_seed[0]["time_to_targets_s"]:
-        med, lo, hi = median_range([r["time_to_targets_s"][t] for r in per_seed])
-        out["time_to_targets_s"][t], out["time_to_targets_range"][t] = med, [lo, hi]
+    if "final_accuracy" in per_seed[0]:
+        med, lo, hi = median_range([r["final_accuracy"] for r in per_seed])
+        out["final_accuracy"], out["final_accuracy_range"] = med, [lo, hi]
+    for key, range_key in (
+        ("time_to_targets_s", "time_to_targets_range"),
+        ("reward_time_to_targets_s", "reward_time_to_targets_range"),
+    ):
+        if key not in per_seed[0]:
+            continue
+        out[key], ranges = {}, {}
+        for t in per_seed[0][key]:
+            med, lo, hi = median_range([r[key][t] for r in per_seed])
+            out[key][t], ranges[t] = med, [lo, hi]
+        out[range_key] = ranges
     out["mean_ess"] = statistics.fmean(r["mean_ess"] for r in per_seed)
     out["min_ess"] = min(r["min_ess"] for r in per_seed)
     occupancy = [r["inference_occupancy"] for r in per_seed if r.get("inference_occupancy") is not None]
@@ -233,6 +307,11 @@ def speedups(results: dict[str, dict]) -> None:
         v["speedup_vs_conventional_per_target"] = {
             k: ratio(base and base["time_to_targets_s"][k], x) for k, x in v["time_to_targets_s"].items()
         }
+        if "reward_time_to_targets_s" in v:  # the sampled reward's view, beside the held-out accuracy's
+            v["reward_speedup_vs_conventional_per_target"] = {
+                k: ratio(base and base["reward_time_to_targets_s"][k], x)
+                for k, x in v["reward_time_to_targets_s"].items()
+            }
         v["throughput_vs_conventional"] = ratio(v["steps_per_s"], base and base["steps_per_s"])
         if coloc is not None:
             v["speedup_vs_colocated"] = ratio(coloc["time_to_target_s"], t)
@@ -247,20 +326,32 @@ def fmt_range(v: float | None, r: list, spec: str = ".1f") -> str:
 
 
 def table(
-    results: dict[str, dict], target: float, window: int, bound: float | None, seeds: int, engine: str = ""
+    results: dict[str, dict],
+    target: float,
+    window: int,
+    bound: float | None,
+    seeds: int,
+    engine: str = "",
+    metric: str = "",
 ) -> str:
-    targets = list(next(iter(results.values()))["time_to_targets_s"])
+    """The markdown table: one line of what was measured and the bound, then a row per mode. `metric` describes
+    the target's quantity (default: the sampled reward's moving average over `window` steps)."""
+    first = next(iter(results.values()))
+    targets = list(first["time_to_targets_s"])
+    reward_targets = list(first.get("reward_time_to_targets_s", {}))
     head = (
         "| mode | time to target (s) | reached | samples to target | speedup vs conv G=1 | vs best conv | "
-        + " | ".join(f"time / speedup @{t}" for t in targets if t != str(target))
-        + " | final reward | mean ESS | min ESS | lag mean / max | trainer busy | engine busy | engine occupancy | "
+        + "".join(f"time / speedup @{t} | " for t in targets if t != str(target))
+        + "".join(f"sampled reward @{t}: time / speedup | " for t in reward_targets)
+        + ("final accuracy | " if "final_accuracy" in first else "")
+        + "final reward | mean ESS | min ESS | lag mean / max | trainer busy | engine busy | engine occupancy | "
         "steps/s (vs conv G=1) |"
     )
     pipe = results.get("pipeline", {}).get("speedup_vs_conventional")
     vs_coloc = results.get("pipeline", {}).get("speedup_vs_colocated")
     lines = [
         f"Median (min-max) over {seeds} seeds per mode{f' ({engine} engine)' if engine else ''}; "
-        f"target: sampled reward, moving average over {window} steps, "
+        f"target: {metric or f'sampled reward, moving average over {window} steps'}, "
         f">= {target}. Bound B = {fmt(bound)} (conventional G=1's trainer + engine busy fractions / the larger); "
         f"pipeline reached {fmt(pipe)}x conventional G=1, {fmt(pipe / bound if pipe and bound else None)} B"
         + (f", {fmt(vs_coloc)}x the colocated baseline." if "colocated" in results else "."),
@@ -269,17 +360,24 @@ def table(
         "|" + "---|" * (head.count("|") - 1),
     ]
     for name, v in results.items():
-        more = " | ".join(
+        more = "".join(
             f"{fmt_range(v['time_to_targets_s'][t], v['time_to_targets_range'][t])} / "
-            f"{fmt(v['speedup_vs_conventional_per_target'][t])}"
+            f"{fmt(v['speedup_vs_conventional_per_target'][t])} | "
             for t in targets
             if t != str(target)
         )
+        more += "".join(
+            f"{fmt_range(v['reward_time_to_targets_s'][t], v['reward_time_to_targets_range'][t])} / "
+            f"{fmt(v['reward_speedup_vs_conventional_per_target'][t])} | "
+            for t in reward_targets
+        )
+        if "final_accuracy" in v:
+            more += f"{fmt(v['final_accuracy'], '.3f')} | "
         lines.append(
             f"| {name} | {fmt_range(v['time_to_target_s'], v['time_to_target_s_range'])} | "
             f"{v['reached_target']}/{v['n_seeds']} | "
             f"{fmt_range(v['samples_to_target'], v['samples_to_target_range'], '.0f')} | "
-            f"{fmt(v['speedup_vs_conventional'])} | {fmt(v['speedup_vs_best_conventional'])} | {more} | "
+            f"{fmt(v['speedup_vs_conventional'])} | {fmt(v['speedup_vs_best_conventional'])} | {more}"
             f"{v['final_reward']:.3f} | {v['mean_ess']:.3f} | {v['min_ess']:.3f} | "
             f"{v['mean_lag']:.2f} / {v['max_lag']} | "
             f"{v['trainer_busy_frac']:.2f} | {v['inference_busy_frac']:.2f} | {fmt(v.get('inference_occupancy'))} | "
@@ -289,6 +387,7 @@ def table(
 
 
 def plot(results: dict[str, dict], target: float, path: Path) -> bool:
+    """Held-out accuracy (when measured) and sampled reward against time and samples, one curve per seed; ESS."""
     try:
         import matplotlib
 
@@ -297,24 +396,34 @@ def plot(results: dict[str, dict], target: float, path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed (pip install -e .[bench]): no plot written", flush=True)
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    has_eval = "eval_curve" in next(iter(results.values()))["seeds"][0]
+    panels = (["accuracy"] if has_eval else []) + ["reward_smooth"]
+    fig, axes = plt.subplots(len(panels), 3, figsize=(17, 4.6 * len(panels)), squeeze=False)
+    ylabel = {"accuracy": "held-out greedy accuracy", "reward_smooth": "sampled reward (moving average)"}
     for i, (name, v) in enumerate(results.items()):
         colour = f"C{i}"
         for k, run in enumerate(v["seeds"]):  # one curve per seed, one colour per mode
-            c = run["curve"]
             label = name if k == 0 else None
-            axes[0].plot(c["wall_time_s"], c["reward_smooth"], color=colour, lw=0.9, label=label)
-            axes[1].plot(c["samples"], c["reward_smooth"], color=colour, lw=0.9, label=label)
-            axes[2].plot(range(1, len(c["ess"]) + 1), c["ess"], color=colour, lw=0.6, label=label)
-    for ax, xl in zip(axes[:2], ["trainer wall time (s)", "samples"]):
-        ax.axhline(target, color="grey", ls="--", lw=0.8)
-        ax.set_xlabel(xl)
-        ax.set_ylabel("sampled reward (moving average)")
-    axes[2].set_xlabel("optimizer step")
-    axes[2].set_ylabel("ESS")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+            for row, key in enumerate(panels):
+                c = run["eval_curve"] if key == "accuracy" else run["curve"]
+                axes[row][0].plot(c["wall_time_s"], c[key], color=colour, lw=0.9, label=label)
+                axes[row][1].plot(c["samples"], c[key], color=colour, lw=0.9, label=label)
+            ess = run["curve"]["ess"]
+            axes[0][2].plot(range(1, len(ess) + 1), ess, color=colour, lw=0.6, label=label)
+    for row, key in enumerate(panels):
+        for ax, xl in zip(axes[row][:2], ["trainer wall time (s)", "samples"]):
+            if row == 0:
+                ax.axhline(target, color="grey", ls="--", lw=0.8)
+            ax.set_xlabel(xl)
+            ax.set_ylabel(ylabel[key])
+    axes[0][2].set_xlabel("optimizer step")
+    axes[0][2].set_ylabel("ESS")
+    for row in range(1, len(panels)):
+        axes[row][2].axis("off")
+    for ax in axes.flat:
+        if ax.has_data():
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
@@ -322,15 +431,20 @@ def plot(results: dict[str, dict], target: float, path: Path) -> bool:
 
 def main() -> None:
     a = parse_args()
-    overrides, default_target, default_more, quick_steps, full_steps, quick_modes = TASK_SETTINGS[a.task]
+    ts = TASK_SETTINGS[a.task]
+    default_target, default_more = ts.accuracy_targets if a.metric == "accuracy" else ts.reward_targets
     target = a.target if a.target is not None else default_target
     more_targets = [float(x) for x in (a.more_targets if a.more_targets is not None else default_more).split(",") if x]
-    steps = a.steps or (quick_steps if a.quick else full_steps)
+    # with held-out accuracy as the metric, the sampled reward's times to its own targets are reported beside it
+    reward_targets = sorted({ts.reward_targets[0], *map(float, ts.reward_targets[1].split(","))})
+    steps = a.steps or (ts.quick_steps if a.quick else ts.full_steps)
     modes = a.modes or (
-        quick_modes
+        ts.quick_modes
         if a.quick
         else "pipeline,conventional:1,conventional:2,conventional:4,conventional:8,async,colocated"
     )
+    eval_size = a.eval_size if a.eval_size is not None else ts.eval_size
+    eval_every = a.eval_every or ts.eval_every[0 if a.quick else 1]
     a.out.mkdir(parents=True, exist_ok=True)
     common = [
         "--config",
@@ -340,7 +454,8 @@ def main() -> None:
         "--eval.every=0",
         "--metrics.log_every=25",
         f"--inference.engine={a.engine or TASK_ENGINE[a.task]}",
-        *overrides,
+        *ts.overrides,
+        *(["--checkpoint.export_every=" + str(eval_every)] if a.metric == "accuracy" else []),
         *a.extra,
     ]
     # The warm start once, shared by every mode and seed (its folder is reused when it exists).
@@ -351,6 +466,19 @@ def main() -> None:
         a.nproc - a.inference_ranks,
     )
     print(f"warm start ready ({time.time() - t0:.0f} s)", flush=True)
+    evaluator, start_accuracy, metric = None, None, ""
+    if a.metric == "accuracy":
+        import torch
+
+        torch.set_num_threads(len(os.sched_getaffinity(0)))  # evaluation runs between runs, on every core
+        job_cfg = load_config(common)
+        evaluator = Evaluator(job_cfg, eval_size)
+        start_accuracy = evaluator.accuracy(Path(job_cfg.warmstart.path))
+        metric = (
+            f"held-out greedy accuracy ({len(evaluator.problems)} problems) of the policy exported every "
+            f"{eval_every} steps, linear between exports"
+        )
+        print(f"warm start: held-out greedy accuracy {start_accuracy:.3f} on {len(evaluator.problems)} problems")
     per_seed: dict[str, list[dict]] = {}
     for seed in range(a.seeds):
         for spec in modes.split(","):
@@ -359,25 +487,32 @@ def main() -> None:
             name = f"{mode}_G{g}" if mode == "conventional" else mode
             out = a.out / "runs" / f"{name}_seed{seed}"
             t0 = time.time()
+            shutil.rmtree(out / "exports", ignore_errors=True)  # a previous run's exports are not this run's
             args = [*common, f"--job.seed={seed}", f"--job.output_dir={out}"]
             if mode == "colocated":
                 run_logged(*colocated_command(args), a.out / f"{name}_seed{seed}.log")
             else:
                 run_job([*args, f"--rl.mode={mode}", f"--rl.sync_every={g}"], a.out / f"{name}_seed{seed}.log", a.nproc)
             recs = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
-            r = summarise(recs, target, more_targets, a.window)
+            t_eval = time.time()
+            # --quick evaluates only up to the highest target (and the final policy); the full run every export
+            until = max(target, *more_targets) if a.quick else None
+            curve = evaluator.curve(out, start_accuracy, until) if evaluator is not None else None
+            t_eval = time.time() - t_eval
+            r = summarise(recs, target, more_targets, a.window, curve, reward_targets)
             per_seed.setdefault(name, []).append(r)
             print(
-                f"{name} seed {seed}: {time.time() - t0:.0f} s in all, time to target "
+                f"{name} seed {seed}: {time.time() - t0:.0f} s in all (evaluation {t_eval:.0f} s), time to target "
                 f"{fmt(r['time_to_target_s'], '.1f')} s, final reward {r['final_reward']:.3f}, "
-                f"mean ESS {r['mean_ess']:.3f}, steps/s {r['steps_per_s']:.2f}",
+                + (f"final accuracy {r['final_accuracy']:.3f}, " if curve else "")
+                + f"mean ESS {r['mean_ess']:.3f}, steps/s {r['steps_per_s']:.2f}",
                 flush=True,
             )
     results = {name: aggregate(runs) for name, runs in per_seed.items()}
     speedups(results)
     conv1 = results.get("conventional_G1")
     bound = overlap_bound(conv1["trainer_busy_frac"], conv1["inference_busy_frac"]) if conv1 else None
-    md = table(results, target, a.window, bound, a.seeds, a.engine or TASK_ENGINE[a.task])
+    md = table(results, target, a.window, bound, a.seeds, a.engine or TASK_ENGINE[a.task], metric)
     print(md, flush=True)
     meta = {
         "task": a.task,
@@ -387,6 +522,11 @@ def main() -> None:
         "target": target,
         "more_targets": more_targets,
         "window": a.window,
+        "metric": a.metric,
+        "eval_size": eval_size if evaluator else None,
+        "eval_every": eval_every if evaluator else None,
+        "start_accuracy": start_accuracy,
+        "reward_targets": reward_targets if evaluator else None,
         "nproc": a.nproc,
         "inference_ranks": a.inference_ranks,
         "engine": a.engine or TASK_ENGINE[a.task],

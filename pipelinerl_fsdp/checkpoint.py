@@ -158,3 +158,18 @@ def resume_point(cfg: Config) -> tuple[Path | None, list[str]]:
         detail = f" ({'; '.join(skipped)})" if skipped else ""
         raise ConfigError(f"checkpoint.resume = 'required' but {folder} holds no intact checkpoint{detail}")
     return path, skipped
+
+
+def export_folder(cfg: Config, step: int) -> Path:
+    """Where `checkpoint.export_every` writes the policy (an HF folder) after `step` optimizer steps."""
+    return Path(cfg.job.output_dir) / "exports" / f"step-{step:07d}"
+
+
+def exported_policies(output_dir: str | Path, max_steps: int) -> list[tuple[int, Path]]:
+    """(step, folder) of a run's exported policies in step order: `exports/step-N`, and `final/` as step
+    `max_steps` when the run got that far."""
+    output_dir = Path(output_dir)
+    out = [(int(p.name.removeprefix("step-")), p) for p in (output_dir / "exports").glob("step-*") if p.is_dir()]
+    if (output_dir / "final" / "config.json").is_file():
+        out.append((max_steps, output_dir / "final"))
+    return sorted(out)

@@ -263,6 +263,10 @@ class CheckpointConfig:
     # resume from this checkpoint folder (a step-NNNNNNN folder) instead; it must be intact
     resume_from: str = ""
     keep: int = 2
+    # also write the policy as an HF folder every this many RL steps, <job.output_dir>/exports/step-NNNNNNN
+    # (weights, config, tokenizer; 0: only the final export to <job.output_dir>/final): a learning curve to
+    # evaluate offline, outside the timed run (benchmarks/learning_speed.py)
+    export_every: int = 0
     # on SIGTERM / SIGINT (Ctrl-C, scancel, preemption) the trainer saves the steps done since the last checkpoint
     # before exiting (within torchrun's 30 s); false: exit at once, losing up to one interval
     save_on_stop: bool = True
@@ -356,6 +360,7 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("metrics", "rollouts_every"): (lambda v: v >= 0, ">= 0"),
     ("metrics", "rollouts_in_tensorboard"): (lambda v: v >= 0, ">= 0"),
     ("checkpoint", "interval"): (lambda v: v >= 0, ">= 0"),
+    ("checkpoint", "export_every"): (lambda v: v >= 0, ">= 0"),
     ("checkpoint", "keep"): (lambda v: v >= 1, ">= 1"),
 }
 

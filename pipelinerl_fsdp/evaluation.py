@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from pipelinerl_fsdp.config import TokenizerConfig
 from pipelinerl_fsdp.inference.generate import generate
 from pipelinerl_fsdp.models.decoder import Transformer
-from pipelinerl_fsdp.tasks import Task
+from pipelinerl_fsdp.tasks import Problem, Task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt
 from pipelinerl_fsdp.transport.rollouts import EvalReport
 
@@ -28,13 +28,14 @@ def greedy_accuracy(
     world: int = 1,
     group: dist.ProcessGroup | None = None,
     stop_ids: list[int] | None = None,
+    problems: list[Problem] | None = None,
 ) -> float:
-    """Mean exact-match reward of greedy completions on the held-out split.
+    """Mean exact-match reward of greedy completions on the held-out split (or on `problems`).
 
     `model` is a local (unsharded) copy; with world > 1 each rank takes every world-th problem and the counts
-    are summed over `group`. NaN when the task has no held-out problems.
+    are summed over `group`. NaN when there are no problems.
     """
-    problems = task.eval_split()[rank::world]
+    problems = (task.eval_split() if problems is None else problems)[rank::world]
     fmt = fmt or TokenizerConfig()
     prompts = [encode_prompt(tokenizer, p.prompt, fmt) for p in problems]
     stops = stop_ids or [tokenizer.eos_token_id]

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp import stopping
-from pipelinerl_fsdp.checkpoint import load_checkpoint, resume_point, save_checkpoint
+from pipelinerl_fsdp.checkpoint import export_folder, load_checkpoint, resume_point, save_checkpoint
 from pipelinerl_fsdp.collector import Collector
 from pipelinerl_fsdp.config import Config, checkpoint_folder
 from pipelinerl_fsdp.evaluation import EvalAggregator
@@ -342,6 +342,9 @@ class RLTrainer:
             if interval and ((step + 1) % interval == 0 or step + 1 == last):  # and a final one
                 self.checkpoint(step + 1)
                 saved = step + 1
+            every = self.cfg.checkpoint.export_every
+            if every and (step + 1) % every == 0 and step + 1 < last:  # the last step's policy goes to final/
+                export_policy(self.policy.model, export_folder(self.cfg, step + 1), self.world, self.tokenizer)
         self.close()
 
     def _stop(self, step: int, saved: int, stop: StopRequested) -> None:
@@ -375,7 +378,8 @@ def export_policy(model: torch.nn.Module, out: Path, world: World, tokenizer: Pr
         args = model.args  # type: ignore[attr-defined]
         save_hf_folder(out, args, full, dtype=torch.float32)
         tokenizer.save_pretrained(str(out))
-        print(f"[rl] exported the final policy to {out}", flush=True)
+        if out.name == "final":  # periodic exports are not worth a console line each
+            print(f"[rl] exported the final policy to {out}", flush=True)
     dist.barrier(group=world.trainer_group)
 
 

@@ -9,8 +9,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from conftest import ROOT
+from pipelinerl_fsdp.checkpoint import exported_policies
 
 pytestmark = pytest.mark.slow
 
@@ -34,12 +37,18 @@ def test_colocated_generates_with_the_weights_it_just_trained(default_warmstart,
         "--trainer.optimizer.lr=3e-3",
         "--trainer.optimizer.warmup_steps=0",
         "--metrics.tensorboard=false",
+        "--checkpoint.export_every=2",
     ]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     recs = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in recs] == list(range(1, steps + 1))
     assert [x["samples"] for x in recs] == [32 * (i + 1) for i in range(steps)]
+    # exported like the job's trainer (learning_speed.py evaluates these): steps 2 and 4, then final/ (step 6)
+    exports = exported_policies(tmp_path, steps)
+    assert [s for s, _ in exports] == [2, 4, 6] and exports[-1][1].name == "final"
+    first, last = (load_file(str(f / "model.safetensors")) for f in (exports[0][1], exports[-1][1]))
+    assert any(not torch.equal(first[k], last[k]) for k in first)
     for x in recs:
         assert x["lag_max"] == 0 and x["mixed_version_frac"] == 0
         assert x["ess"] > 0.999, x  # behaviour policy = trained policy

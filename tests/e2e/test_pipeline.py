@@ -289,10 +289,28 @@ def test_a_failing_rank_brings_the_job_down_quickly(warm_folder, tmp_path, rank)
 def test_checkpoint_resume_restores_the_trainer_exactly(warm_folder, tmp_path):
     from safetensors.torch import load_file
 
+    from pipelinerl_fsdp.checkpoint import exported_policies
+
     ck = f"--checkpoint.folder={tmp_path}/ck"
-    r = short_run(2, 1, warm_folder, tmp_path / "a", ck, "--rl.max_steps=4", "--checkpoint.interval=2")
+    r = short_run(
+        2,
+        1,
+        warm_folder,
+        tmp_path / "a",
+        ck,
+        "--rl.max_steps=4",
+        "--checkpoint.interval=2",
+        "--checkpoint.export_every=1",
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     assert (tmp_path / "ck" / "latest").read_text().strip() == "step-0000004"
+    # the policy after every step, for offline evaluation: steps 1-3 under exports/, the 4th is final/
+    exports = exported_policies(tmp_path / "a", 4)
+    assert [s for s, _ in exports] == [1, 2, 3, 4] and exports[-1][1].name == "final"
+    weights = [load_file(str(f / "model.safetensors")) for _, f in exports]
+    for before, after in zip(weights, weights[1:]):  # each step moved the weights: no export is a stale copy
+        assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert all((f / "tokenizer.json").is_file() and (f / "config.json").is_file() for _, f in exports)
     # Resuming at the last step trains nothing: the exported policy must be the checkpoint's, bit for bit.
     r = short_run(2, 1, warm_folder, tmp_path / "b", ck, "--rl.max_steps=4", "--checkpoint.resume=required")
     assert r.returncode == 0, r.stderr[-4000:]

@@ -115,6 +115,7 @@ def test_file_errors_name_the_key(tmp_path, text, pattern):
             r"checkpoint\.interval = 6 must be a multiple of rl\.sync_every = 4",
         ),
         (["--inference.engine=sglang"], r"inference\.engine"),
+        (["--checkpoint.export_every=-2"], r"checkpoint\.export_every = -2 must be >= 0"),
         (["--inference.gpu_memory_utilization=1.5"], r"inference\.gpu_memory_utilization = 1\.5 must be in \(0, 1\]"),
     ],
 )

@@ -98,3 +98,93 @@ def test_occupancy_is_the_median_over_busy_steps_and_absent_where_never_measured
     results = {"pipeline": agg}
     ls.speedups(results)
     assert "| 0.80 |" in ls.table(results, 0.5, 10, None, 3)
+
+
+def test_crossing_interpolates_between_the_exports_around_the_first_hit():
+    xs, ys = [0.0, 10.0, 20.0, 30.0], [0.7, 0.8, 0.9, 0.85]
+    assert ls.crossing(xs, ys, 0.85) == pytest.approx(15.0)  # halfway from 0.8 (t=10) to 0.9 (t=20)
+    assert ls.crossing(xs, ys, 0.9) == pytest.approx(20.0)
+    assert ls.crossing(xs, ys, 0.6) == 0.0  # already there at the start
+    assert ls.crossing(xs, ys, 0.95) is None
+    # the first crossing counts, not a later dip and rise
+    assert ls.crossing([0, 1, 2, 3], [0.5, 0.9, 0.6, 0.95], 0.8) == pytest.approx(0.75)
+
+
+def step_records(rewards: list[float], step_s: float = 2.0, batch: int = 64) -> list[dict]:
+    out = []
+    for i, x in enumerate(rewards):
+        r = {"reward_mean": x, "wall_time_s": step_s * (i + 1), "samples": batch * (i + 1), "ess": 1.0}
+        r.update({"lag_mean": 1.0, "lag_max": 2, "mixed_version_frac": 0.0})
+        r.update({"trainer_busy_frac": 0.5, "inference_busy_frac": 0.5})
+        out.append(r)
+    return out
+
+
+def test_with_a_held_out_curve_the_targets_are_of_accuracy_and_the_reward_is_kept_beside():
+    recs = step_records([0.5, 0.6, 0.7, 0.8, 0.9, 0.9])
+    # exports every 2 steps; accuracy crosses 0.85 halfway between steps 2 and 4 (t = 4 s and 8 s)
+    curve = {"step": [0, 2, 4, 6], "wall_time_s": [0.0, 4.0, 8.0, 12.0], "samples": [0, 128, 256, 384]}
+    curve["accuracy"] = [0.75, 0.8, 0.9, 0.92]
+    s = ls.summarise(recs, 0.85, [0.9], 1, curve, [0.8])
+    assert s["time_to_target_s"] == pytest.approx(6.0) and s["samples_to_target"] == pytest.approx(192.0)
+    assert s["time_to_targets_s"] == {"0.85": pytest.approx(6.0), "0.9": pytest.approx(8.0)}
+    # the sampled reward's own first step at 0.8 (step 4, t = 8 s): later than the policy's, as under lag
+    assert s["reward_time_to_targets_s"] == {"0.8": 8.0}
+    assert s["final_accuracy"] == 0.92
+    # without a curve the same targets are of the sampled reward
+    assert ls.summarise(recs, 0.85, [], 1)["time_to_target_s"] == 10.0
+
+
+def test_the_table_says_which_quantity_the_targets_are_of():
+    def seed(t: float) -> dict:
+        s = ls.summarise(
+            step_records([0.5, 0.9]),
+            0.85,
+            [],
+            1,
+            {"wall_time_s": [0.0, t], "samples": [0, 64], "accuracy": [0.8, 0.9], "step": [0, 1]},
+            [0.8],
+        )
+        return s
+
+    results = {
+        "pipeline": ls.aggregate([seed(2.0), seed(4.0), seed(6.0)]),
+        "conventional_G1": ls.aggregate([seed(8.0), seed(8.0), seed(10.0)]),
+    }
+    ls.speedups(results)
+    p = results["pipeline"]
+    assert p["final_accuracy"] == 0.9 and p["reward_time_to_targets_s"] == {"0.8": 4.0}
+    assert p["speedup_vs_conventional"] == pytest.approx(4.0 / 2.0)  # medians: 4.0 / 2.0 (t at 0.85 = t / 2)
+    assert p["reward_speedup_vs_conventional_per_target"] == {"0.8": pytest.approx(1.0)}
+    text = ls.table(results, 0.85, 1, 2.0, 3, "reference", "held-out greedy accuracy (256 problems)")
+    assert "target: held-out greedy accuracy (256 problems), >= 0.85" in text
+    assert "sampled reward @0.8: time / speedup" in text and "| 0.900 |" in text
+
+
+def test_the_curve_pairs_exports_with_their_steps_and_stops_at_the_highest_target(tmp_path):
+    import json
+
+    from export_eval import Evaluator
+
+    recs = [{"step": i, "wall_time_s": 1.5 * i, "samples": 64 * i} for i in range(1, 9)]
+    (tmp_path / "rl").mkdir()
+    (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    acc = {2: 0.8, 4: 0.9, 6: 0.85, 8: 0.95}
+    for step in (2, 4, 6):
+        (tmp_path / "exports" / f"step-{step:07d}").mkdir(parents=True)
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.json").write_text("{}")
+    ev = Evaluator.__new__(Evaluator)  # no task or model: the accuracy of a folder is looked up
+    seen = []
+
+    def accuracy(folder):
+        seen.append(folder.name)
+        return acc[8 if folder.name == "final" else int(folder.name.removeprefix("step-"))]
+
+    ev.accuracy = accuracy
+    c = ev.curve(tmp_path, 0.7)
+    assert c["step"] == [0, 2, 4, 6, 8] and c["wall_time_s"] == [0.0, 3.0, 6.0, 9.0, 12.0]
+    assert c["samples"] == [0, 128, 256, 384, 512] and c["accuracy"] == [0.7, 0.8, 0.9, 0.85, 0.95]
+    seen.clear()
+    c = ev.curve(tmp_path, 0.7, until=0.9)  # step 6 is not needed for any target up to 0.9; final/ always is
+    assert c["step"] == [0, 2, 4, 8] and seen == ["step-0000002", "step-0000004", "final"]
