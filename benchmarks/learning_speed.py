@@ -109,7 +109,15 @@ class TaskSettings:
 
 TASK_SETTINGS = {
     "addition": TaskSettings(
-        [], (0.8, "0.75,0.83"), (0.8, "0.75,0.83"), 200, 400, "pipeline,conventional:1,conventional:4", 500, (10, 10)
+        # the warm start's held-out greedy accuracy is 0.76, RL's plateau ~0.93
+        [],
+        (0.88, "0.86,0.9"),
+        (0.8, "0.75,0.83"),
+        200,
+        400,
+        "pipeline,conventional:1,conventional:4",
+        500,
+        (5, 5),
     ),
     # The long-tail task: worked sums of 2-12 two-digit terms (completions ~10-130 tokens), 128 samples per step.
     # The engine is the pure-PyTorch one: for this 0.8M model on one CPU core vLLM runs at 0.7-0.9x its speed (its
