@@ -96,10 +96,12 @@ def main() -> None:
     p.add_argument("run_dir", type=Path, help="the run's job.output_dir")
     p.add_argument("--size", type=int, default=0, help="held-out problems (the first of the split; 0: all)")
     p.add_argument("--start", type=Path, default=None, help="the policy at step 0 (default: the config's warm start)")
-    p.add_argument("overrides", nargs="*", help="after --: the run's --config and --section.key=value overrides")
-    a = p.parse_args()
+    p.epilog = "After --: the run's --config and --section.key=value overrides."
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = p.parse_args(argv[:cut])
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    cfg = load_config(a.overrides)
+    cfg = load_config(argv[cut + 1 :])
     ev = Evaluator(cfg, a.size)
     start = a.start or Path(cfg.warmstart.path)
     c = ev.curve(a.run_dir, ev.accuracy(start))
