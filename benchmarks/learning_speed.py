@@ -5,15 +5,15 @@ Every mode runs the same job (`train_configs/arithmetic.toml` unless --config), 
 step, once per seed (`job.seed`: problems and sampling); only `rl.mode` and `rl.sync_every` (G) change. Runs go one
 after another, seed by seed (every mode of seed 0, then of seed 1, ...), so a drift of the machine hits all modes.
 
-Reports per mode, as the median and range over seeds: time to target at the main and further targets (the
-trainer's wall clock, engine start-up excluded), samples to target, final reward, ESS (mean, and the minimum of any
-step), mean / max lag,
-busy fractions, engine occupancy (median over steps), optimizer steps per second; `speedup_vs_conventional` =
-conventional G=1's median time to the target / this mode's, `speedup_vs_best_conventional` against the fastest
-conventional G. The bound B = (T_gen + T_train) / max(T_gen, T_train) comes from conventional G=1's busy fractions
-in the same run (its two sides take turns, so overlapping them perfectly would take max instead of the sum). Writes
-`learning_speed.json`, `learning_speed.md`, `learning_speed.png` (reward vs time and vs samples, one curve per
-seed; ESS vs step) under --out; TensorBoard: `tensorboard --logdir OUT/runs` shows one run per mode and seed.
+Reports per mode, as the median and range over seeds: time to target at the main and further targets (the trainer's
+wall clock, engine start-up excluded), samples to target, final accuracy and reward, ESS (mean, and the minimum of
+any step), mean / max lag, busy fractions, engine occupancy (median over steps), optimizer steps per second;
+`speedup_vs_conventional` = conventional G=1's median time to the target / this mode's,
+`speedup_vs_best_conventional` against the fastest conventional G. The bound B = (T_gen + T_train) / max(T_gen,
+T_train) comes from conventional G=1's busy fractions in the same run (its two sides take turns, so overlapping
+them perfectly would take max instead of the sum). Writes `learning_speed.json`, `learning_speed.md`,
+`learning_speed.png` (accuracy and reward vs time and vs samples, one curve per seed; ESS vs step) under --out;
+TensorBoard: `tensorboard --logdir OUT/runs` shows one run per mode and seed.
 
 The targets are of the held-out greedy accuracy (`--metric accuracy`, the default): every run exports its policy
 every --eval-every steps (`checkpoint.export_every`), and after the run `export_eval.py` evaluates the exports on a
@@ -44,8 +44,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from export_eval import Evaluator, crossing, load_config
+from export_eval import Evaluator, crossing
 from torchrun_job import ROOT, job_command, run_job, run_logged
+
+from pipelinerl_fsdp.config import load_config
 
 
 def parse_args() -> argparse.Namespace:
