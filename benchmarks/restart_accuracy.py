@@ -53,7 +53,11 @@ def one_run(out: Path, args: argparse.Namespace, extra: list[str], kill: bool) -
     steps = [x["step"] for x in recs]
     if steps != list(range(1, args.steps + 1)):
         raise SystemExit(f"{log}: steps logged {steps[:5]}...{steps[-5:]}, not 1..{args.steps} once each")
-    evals = {x["eval/heldout/version"]: x["eval/heldout/pass@1"] for x in recs if "eval/heldout/version" in x}
+    evals = {
+        x["eval/heldout/version"]: x["eval/heldout/pass@1"]
+        for x in read_metrics(out / "rl" / "evals.jsonl")
+        if "eval/heldout/version" in x
+    }
     for bulky in ("checkpoints", "final"):  # tens of MB per run; the metrics and the log stay
         shutil.rmtree(out / bulky, ignore_errors=True)
     resumed = None

@@ -1,4 +1,5 @@
-"""Run metrics: one JSON object per step in metrics.jsonl, TensorBoard events under tb/, a console line."""
+"""Run metrics: one JSON object per step in metrics.jsonl, one per completed evaluation in evals.jsonl, TensorBoard
+events under tb/, a console line."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ class MetricsLogger:
         resume_step: int | None = None,
     ) -> None:
         """With `resume_step` (a resumed run), records after that step, written by the attempt that stopped, are
-        dropped from metrics.jsonl and TensorBoard, so that the continued run logs every step once."""
+        dropped from metrics.jsonl, evals.jsonl and TensorBoard, so that the continued run logs every step once."""
         self.enabled = enabled
         self.prefix = prefix
         self.total_steps = total_steps
@@ -97,28 +98,41 @@ class MetricsLogger:
             return
         out = Path(output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / "metrics.jsonl"
-        if resume_step is not None and path.exists():
-            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept))
-        self._file = open(path, "a", buffering=1)
+        for name in ("metrics.jsonl", "evals.jsonl"):
+            path = out / name
+            if resume_step is not None and path.exists():
+                kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resume_step]
+                path.write_text("".join(line + "\n" for line in kept))
+        self._file = open(out / "metrics.jsonl", "a", buffering=1)
+        self._evals_path = out / "evals.jsonl"
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             purge = None if resume_step is None else resume_step + 1  # events at later steps are hidden
             self._writer = SummaryWriter(log_dir=str(out / "tb"), purge_step=purge)
 
-    def log(self, step: int, values: dict[str, Any], console: bool = True) -> None:
+    def log(self, step: int, values: dict[str, Any], console: bool = True, evals: list[dict[str, float]] = ()) -> None:
+        """One step's record. `evals`: the evaluations completed since the last record, oldest first (each one
+        set's `eval/<set>/...` metrics of one version); each gets a line in evals.jsonl and its points in
+        TensorBoard, and the step's record (and console line) carries the newest of each set."""
         if not self.enabled:
             return
         elapsed = time.time() - self.start
+        newest: dict[str, float] = {}
+        for e in evals:
+            newest.update(e)  # a set's later version replaces its earlier one
+        values = {**values, **newest}
         record = {"step": step, "wall_time_s": round(elapsed, 3), **values}
         assert self._file is not None
         self._file.write(json.dumps(record) + "\n")
+        if evals:
+            with open(self._evals_path, "a") as f:
+                f.writelines(json.dumps({"step": step, "wall_time_s": round(elapsed, 3), **e}) + "\n" for e in evals)
         if self._writer is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self._writer.add_scalar(f"{self.prefix}{k}", v, step)
+            for group in [{k: v for k, v in values.items() if k not in newest}, *evals]:
+                for k, v in group.items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                        self._writer.add_scalar(f"{self.prefix}{k}", v, step)
         eta = float("nan")
         if self._eta_from is None:
             self._eta_from = (step, elapsed)

@@ -92,7 +92,7 @@ class RLTrainer:
         # held-out evaluation runs on the engines; their reports are joined here
         self.eval_sets = list(self.task.eval_sets())
         self.evals = EvalAggregator(self.eval_sets, len(world.inference_ranks), cfg.eval.pass_k)
-        self._eval_values: dict[str, float] = {}
+        self._evals_done: list[dict[str, float]] = []  # completed since the last record, oldest first
         self.version = self.start_step = 0
         self.nonfinite_in_row = self.skipped_steps = 0
         resume_from, skipped = resume_point(cfg)
@@ -274,19 +274,20 @@ class RLTrainer:
         if epoch is not None:
             values["data_epoch"] = epoch  # of the newest problem the engines have sent
         self._absorb_evals()
-        values.update(self._eval_values)  # evaluations completed since the last step, with their versions
-        self._eval_values = {}
+        evals, self._evals_done = self._evals_done, []  # two can complete within one step, e.g. with the final one
         last = step + 1 == self.cfg.rl.max_steps
         console = (step + 1) % self.cfg.metrics.log_every == 0 or step == self.start_step or last
-        self.logger.log(step + 1, values, console=console)
+        self.logger.log(step + 1, values, console=console, evals=evals)
         self._log_rollouts(step + 1, trained_version, console)
 
     def _absorb_evals(self) -> None:
-        """Join the evaluation reports that arrived; completed sets wait in `_eval_values` for the next record."""
+        """Join the evaluation reports that arrived; completed sets wait in `_evals_done` for the next record."""
         c = self.collector
         assert c is not None
         for report in c.eval_reports:
-            self._eval_values.update(self.evals.add(report))
+            done = self.evals.add(report)
+            if done:
+                self._evals_done.append(done)
         c.eval_reports.clear()
 
     def _final_eval_done(self) -> bool:

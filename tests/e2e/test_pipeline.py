@@ -60,8 +60,8 @@ def warm_folder(default_warmstart) -> Path:
     return folder
 
 
-def records(out: Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+def records(out: Path, name: str = "metrics.jsonl") -> list[dict]:
+    return [json.loads(x) for x in (out / "rl" / name).read_text().splitlines()]
 
 
 def cmdline(pid: int) -> bytes:
@@ -131,7 +131,7 @@ def test_default_pipeline_learns(default_warmstart, tmp_path, engine):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     recs = records(tmp_path)
     warm_acc = json.loads((ws_out / "warmstart" / "metrics.jsonl").read_text().splitlines()[-1])["eval_accuracy"]
-    evals = {x["eval/heldout/version"]: x["eval/heldout/pass@1"] for x in recs if "eval/heldout/version" in x}
+    evals = {x["eval/heldout/version"]: x["eval/heldout/pass@1"] for x in records(tmp_path, "evals.jsonl")}
     # on the engine: greedy, all 500 problems, the same number the warm start's own evaluation measures
     assert evals[0] == pytest.approx(warm_acc, abs=0.01), (warm_acc, evals)
     assert sorted(evals) == [0, 100, 200] and (evals[200] - warm_acc) / (1 - warm_acc) >= 0.35, (warm_acc, evals)
@@ -153,8 +153,11 @@ def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc,
     r = short_run(nproc, n_inf, warm_folder, tmp_path, "--eval.every=6", "--metrics.rollouts_every=1", *extra)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     recs = records(tmp_path)
-    # evaluated on the engines at versions 0 (at_start), 6 and 12; the final one is in the last step's record
-    assert sorted(x["eval/heldout/version"] for x in recs if "eval/heldout/version" in x) == [0, 6, 12]
+    # evaluated on the engines at versions 0 (at_start), 6 and 12, each in evals.jsonl once, in that order (6 may
+    # complete within the last step, together with 12); the final one is in the last step's record
+    evals = records(tmp_path, "evals.jsonl")
+    assert [x["eval/heldout/version"] for x in evals] == [0, 6, 12]
+    assert [x["step"] for x in evals] == sorted(x["step"] for x in evals) and evals[-1]["step"] == 12
     assert recs[-1]["eval/heldout/version"] == 12 and recs[-1]["eval/heldout/problems"] == 500
     # ...and never trained on: every trained sample (all 12 batches dumped) is a training problem, none of the
     # 500 evaluation prompts, which the engines generated for three times meanwhile
@@ -385,7 +388,7 @@ def test_a_restarted_run_ends_as_accurate_as_an_uninterrupted_one(default_warmst
     assert "injected SIGKILL" in r.stdout and "at step 100, version 100" in r.stdout.split("resumed from")[1]
     recs = records(tmp_path)
     assert [x["step"] for x in recs] == list(range(1, 201))
-    final = [x["eval/heldout/pass@1"] for x in recs if x.get("eval/heldout/version") == 200]
+    final = [x["eval/heldout/pass@1"] for x in records(tmp_path, "evals.jsonl") if x["eval/heldout/version"] == 200]
     assert len(final) == 1 and final[0] >= 0.914 - 3 * 0.005, final
 
 
