@@ -29,6 +29,7 @@ class KVCache:
         self.max_len = max_len
         self.decoding = False
         self._slots: torch.Tensor | None = None
+        self._span: slice | None = None  # the decode step's slots as a range, when they are one
         self._prefill_lengths: list[int] = []
 
     # ---- prefill -----------------------------------------------------------------------------------------
@@ -63,6 +64,11 @@ class KVCache:
             raise ValueError(f"KV cache full: a sequence reached max_len {self.max_len}")
         self.decoding = True
         self._slots = slots
+        # Slots in ascending order with no gap (the reference engine keeps its running sequences in the lowest
+        # slots) are read as a view, not gathered: the gather copied every layer's K/V for every decoded token.
+        lo, n = int(slots[0]), slots.numel()
+        contiguous = n == 1 or bool((slots.diff() == 1).all())
+        self._span = slice(lo, lo + n) if contiguous else None
         return self.lengths[slots][:, None]
 
     def attend_keys(
@@ -76,13 +82,22 @@ class KVCache:
         self.v[layer, slots, :, pos] = v[:, :, 0]
         width = int(pos.max()) + 1
         mask = torch.arange(width, device=pos.device)[None, :] <= pos[:, None]
-        return self.k[layer, slots, :, :width], self.v[layer, slots, :, :width], mask[:, None, None, :]
+        rows = slots if self._span is None else self._span
+        return self.k[layer, rows, :, :width], self.v[layer, rows, :, :width], mask[:, None, None, :]
 
     def end_decode(self) -> None:
         assert self._slots is not None
         self.lengths[self._slots] += 1
         self.decoding = False
-        self._slots = None
+        self._slots = self._span = None
 
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Move the sequence in slot `src` to the empty slot `dst` (its filled keys/values and length); frees `src`."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0

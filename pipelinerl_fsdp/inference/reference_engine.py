@@ -1,7 +1,9 @@
 """The pure-PyTorch reference generation engine: continuous batching over a slot KV cache, in-flight weight loads.
 
 Requests wait until a slot is free, are prefilled (several packed in one forward), then advance one token per
-`step()` together; finished requests leave and free their slot for the next waiting one. Every sampled token
+`step()` together; finished requests leave and free their slot for the next waiting one. Running requests are kept
+in the lowest slots (a leaving request's slot takes the highest running one), so that a decode step reads the
+cache as a view rather than gathering it. Every sampled token
 records `self.version`, the policy version of the weights that produced it. Between two steps the inference loop
 may load new weights (`load_update`, which receives the broadcast straight into the parameters): in-progress
 requests keep their KV cache (computed by older weights) unless `recompute_kv()` re-prefills them under the new
@@ -135,14 +137,27 @@ class ReferenceEngine(Engine):
                 r.finished = t in self.eos
                 done.append(r)
         for r in done:
-            del self.running[r.slot]
-            self.cache.free(r.slot)
-            self.free_slots.append(r.slot)
+            self._release(r)
         self.generated_tokens += len(reqs)
         took = time.perf_counter() - t0
         self.busy_s += took
         self.seq_s += len(reqs) * took
         return done
+
+    def _release(self, r: Request) -> None:
+        """Free `r`'s slot, moving the highest running request into it: running requests stay in slots 0..n-1, and
+        `free_slots` (popped from the end) hands out the lowest free slot."""
+        del self.running[r.slot]
+        last = max(self.running, default=-1)
+        freed = r.slot
+        if last > r.slot:
+            moved = self.running.pop(last)
+            self.cache.move(last, r.slot)
+            moved.slot, self.running[r.slot] = r.slot, moved
+            freed = last
+        else:
+            self.cache.free(freed)
+        self.free_slots.append(freed)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample every row with its request's settings (the engine's unless the request sets its own)."""

@@ -27,6 +27,38 @@ def test_continuous_batching_equals_isolated_generation():
         torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(ref.logprobs), rtol=1e-5, atol=1e-5)
 
 
+def test_running_requests_stay_in_the_lowest_slots_and_decode_reads_a_view():
+    """Requests leave in an order unrelated to their slots; the engine moves the highest running request into each
+    freed slot, so every decode step reads the cache as a view, and outputs still equal isolated generation."""
+    model = build_model(ARGS, seed=1)
+    prompts = [[3 + i, 4, 5 + i % 3][: 1 + i % 3] for i in range(9)]
+    max_tokens = [9, 2, 6, 3, 11, 4, 2, 7, 5]
+    engine = ReferenceEngine(copy.deepcopy(model), max_num_seqs=4, max_len=32, eos_ids=[], temperature=0.0)
+    views, begin = [], engine.cache.begin_decode
+
+    def spy(slots: torch.Tensor) -> torch.Tensor:
+        pos = begin(slots)
+        views.append(engine.cache._span is not None)
+        return pos
+
+    engine.cache.begin_decode = spy
+    reqs = [Request(i, p, max_tokens=m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    for r in reqs:
+        engine.add(r)
+    moved = 0
+    while engine.num_unfinished():
+        before = {r.request_id: r.slot for r in engine.running.values()}
+        engine.step()
+        assert sorted(engine.running) == list(range(len(engine.running)))
+        moved += sum(r.slot != before[r.request_id] for r in engine.running.values() if r.request_id in before)
+    assert moved > 0 and views and all(views)  # requests were moved, and no decode step gathered
+    assert (engine.cache.lengths == 0).all()
+    for r, p in zip(reqs, prompts):
+        ref = generate(model, [p], r.max_tokens, eos_id=[])[0]
+        assert r.tokens == ref.tokens
+        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(ref.logprobs), rtol=1e-5, atol=1e-5)
+
+
 def test_in_flight_update_keeps_kv_and_tags_versions():
     old, new = build_model(ARGS, seed=1), build_model(ARGS, seed=2)
     engine = ReferenceEngine(copy.deepcopy(old), max_num_seqs=4, max_len=64, eos_ids=[], temperature=T, seed=3)
