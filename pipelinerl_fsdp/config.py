@@ -154,6 +154,9 @@ class WarmstartConfig:
     eval_every: int = 250
     # fail the job if the final held-out greedy accuracy is below this (0 disables)
     min_accuracy: float = 0.0
+    # stop at the first evaluation (every eval_every steps) whose held-out greedy accuracy reaches this (0: run all
+    # `steps`): a warm start of a given strength, whatever the machine's numerics make of the same steps
+    stop_at_accuracy: float = 0.0
 
 
 @dataclass
@@ -330,6 +333,7 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("warmstart", "batch_size"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "eval_every"): (lambda v: v >= 1, ">= 1"),
     ("warmstart", "min_accuracy"): (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("warmstart", "stop_at_accuracy"): (lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("inference", "max_num_seqs"): (lambda v: v >= 1, ">= 1"),
     ("inference", "max_model_len"): (lambda v: v >= 0, ">= 0 (0: sized from the data)"),
     ("inference", "temperature"): (lambda v: v > 0, "> 0 (log-probs of a greedy policy are undefined)"),

@@ -160,9 +160,11 @@ def run_warmstart(cfg: Config, world: World) -> Path:
         grad_norm = policy.step()
         total_tokens += sum(len(s) - 1 for s in seqs)
         last = step == ws.steps - 1
-        if (step + 1) % ws.eval_every == 0 or last:
-            accuracy = evaluate()
-        if (step + 1) % cfg.metrics.log_every == 0 or last:
+        evaluated = (step + 1) % ws.eval_every == 0 or last
+        if evaluated:
+            accuracy = evaluate()  # the same on every rank (counts summed), so every rank stops at the same step
+        stop = evaluated and bool(ws.stop_at_accuracy) and accuracy >= ws.stop_at_accuracy
+        if (step + 1) % cfg.metrics.log_every == 0 or last or stop:
             nll = sum_over_ranks([stats.get("nll", 0.0)], group, device)[0]
             toks = sum_over_ranks([float(total_tokens)], group, device)[0]
             now = time.time()
@@ -173,10 +175,18 @@ def run_warmstart(cfg: Config, world: World) -> Path:
                 "train_tokens_per_s": toks / (now - t_last),
                 "samples": (step + 1) * ws.batch_size,
             }
-            if (step + 1) % ws.eval_every == 0 or last:
+            if evaluated:
                 values["eval_accuracy"] = accuracy
             logger.log(step + 1, values)
             total_tokens, t_last = 0, now
+        if stop:
+            if world.is_main:
+                print(
+                    f"[warmstart] held-out accuracy {accuracy:.3f} >= warmstart.stop_at_accuracy = "
+                    f"{ws.stop_at_accuracy} after {step + 1} steps: stopping",
+                    flush=True,
+                )
+            break
     if ws.steps == 0:
         accuracy = evaluate()
     if ws.min_accuracy and accuracy < ws.min_accuracy:

@@ -90,3 +90,29 @@ def test_too_small_generation_budget_is_an_error(tmp_path):
     )
     assert r.returncode != 0
     assert "task.max_new_tokens = 3 is too small" in r.stderr
+
+
+def test_stops_at_the_first_evaluation_reaching_stop_at_accuracy(tmp_path):
+    """warmstart.stop_at_accuracy: the run ends at the first evaluation at or above it, and saves that model."""
+    r = torchrun(
+        1,
+        *WARMSTART,
+        "--warmstart.steps=1000",
+        "--warmstart.eval_every=25",
+        "--warmstart.stop_at_accuracy=0.15",
+        "--task.eval_size=64",
+        "--metrics.log_every=25",
+        f"--warmstart.path={tmp_path}/ws",
+        f"--job.output_dir={tmp_path}/out",
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    records = [json.loads(x) for x in (tmp_path / "out" / "warmstart" / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [x["eval_accuracy"] for x in records]
+    assert accuracy[-1] >= 0.15 and max(accuracy[:-1], default=0.0) < 0.15, accuracy
+    steps = records[-1]["step"]
+    assert steps < 1000 and steps % 25 == 0 and f"after {steps} steps: stopping" in r.stdout
+    # the saved folder is the model that was evaluated
+    cfg = load_config([*WARMSTART, "--task.eval_size=64"])
+    folder = tmp_path / "ws"
+    acc = greedy_accuracy(load_hf_model(folder), make_task(cfg.task), load_tokenizer(folder), cfg.task.max_new_tokens)
+    assert acc == accuracy[-1]
