@@ -17,7 +17,8 @@ config and overrides and runs the same RL step as the job's trainer, on the same
 
 The warm start folder must exist (the job's warm start stage, or learning_speed.py, makes it). Busy fractions:
 trainer = the training part of each step, engine = the engine's own steps in the generation part (they never
-overlap here).
+overlap here). `rl.waves` does not apply: the whole batch is generated before training starts, so there is nothing
+for a step in parts to overlap.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ class Collector:
     engine_stats: dict[int, dict[str, float]] = field(default_factory=dict)
     # inference index -> newest group id received from it (for the prompt streams' resume positions)
     max_gid: dict[int, int] = field(default_factory=dict)
-    _round: list[list[Sample]] = field(default_factory=list)
+    _round: list[Group] = field(default_factory=list)  # conventional: the groups of the round not yet trained
     # evaluation reports that arrived with the rollouts (never trained on), for the trainer to log
     eval_reports: list[EvalReport] = field(default_factory=list)
 
@@ -78,15 +78,18 @@ class Collector:
     def queued_samples(self) -> int:
         return self.source.qsize() * self.rl.attempts + sum(len(g) for g in self.buffer)
 
-    def next_batch(self, version: int, timeout_s: float) -> list[Sample]:
-        """The next step's batch (`rl.batch_size` samples of whole groups) for trainer version `version`;
-        `StopRequested` instead once the job is stopping."""
+    def next_batch(self, version: int, timeout_s: float, groups: int = 0) -> list[Sample]:
+        """The next `groups` whole groups (0: a step's worth, `rl.batch_size` samples) for trainer version
+        `version`; `StopRequested` instead once the job is stopping. A step may take its batch in parts
+        (`rl.waves`)."""
         stopping.raise_if_requested()
+        want = groups or self.rl.batch_size // self.rl.attempts
         if self.rl.mode != "conventional":
-            return self._collect(version, timeout_s)
+            return [s for g in self._collect(version, timeout_s, want) for s in g]
         if not self._round:  # the whole round first: the engines generate it all, then idle
-            self._round = [self._collect(version, timeout_s) for _ in range(self.rl.sync_every)]
-        return self._round.pop(0)
+            self._round = self._collect(version, timeout_s, self.rl.sync_every * self.rl.batch_size // self.rl.attempts)
+        taken, self._round = self._round[:want], self._round[want:]
+        return [s for g in taken for s in g]
 
     def _drop_stale(self, groups: list[Group], version: int) -> list[Group]:
         fresh, stale = split_stale(groups, version, self.rl.max_lag)
@@ -94,9 +97,8 @@ class Collector:
         self.counts.dropped_samples += sum(len(g) for g in stale)
         return fresh
 
-    def _collect(self, version: int, timeout_s: float) -> list[Sample]:
+    def _collect(self, version: int, timeout_s: float, want: int) -> list[Group]:
         t0 = time.perf_counter()
-        want = self.rl.batch_size // self.rl.attempts
         self.buffer = self._drop_stale(self.buffer, version)  # leftovers may have aged past max_lag
         while len(self.buffer) < want:
             got = self._get(timeout=1.0, what="training finished")
@@ -108,7 +110,7 @@ class Collector:
                 continue
             self._take(got, version)
         taken, self.buffer = self.buffer[:want], self.buffer[want:]
-        return [s for g in taken for s in g]
+        return taken
 
     def _take(self, got: tuple[int, Group | EvalReport, dict[str, float]], version: int) -> None:
         """File one received item: an evaluation report aside, a group into the buffer (unless filtered/stale)."""

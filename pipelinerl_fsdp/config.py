@@ -224,6 +224,12 @@ class RLConfig:
     # the trainer posts a weight push and goes on with its next step while the engines take it (it waits for the
     # push only before the optimizer changes the weights again); false: every push is waited for in its step
     overlap_push: bool = True
+    # the trainer takes each step's batch in this many parts (whole groups each) and runs forward/backward on a
+    # part as soon as it is in hand, while the engines generate the rest (as PipelineRL's trainer consumes its
+    # stream); the optimizer steps once, after the last part, on the same loss as one whole batch. The trainer's
+    # receive queue holds one part, so generation runs less far ahead of training (lower lag). 1: wait for the
+    # whole batch first.
+    waves: int = 1
 
 
 @dataclass
@@ -352,6 +358,7 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("rl", "max_lag"): (lambda v: v >= 0, ">= 0"),
     ("rl", "kl_coef"): (lambda v: v >= 0, ">= 0"),
     ("rl", "sync_every"): (lambda v: v >= 1, ">= 1"),
+    ("rl", "waves"): (lambda v: v >= 1, ">= 1"),
     ("eval", "every"): (lambda v: v >= 0, ">= 0"),
     ("eval", "samples"): (lambda v: v >= 1, ">= 1"),
     ("eval", "temperature"): (lambda v: v >= 0, ">= 0 (0: greedy)"),
@@ -551,6 +558,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"rl.batch_size = {rl.batch_size} must be a multiple of rl.attempts = {rl.attempts}: "
             f"a step trains on whole groups (their advantages share a baseline) ({cfg.source})"
+        )
+    if (rl.batch_size // rl.attempts) % rl.waves:
+        raise ConfigError(
+            f"rl.waves = {rl.waves} must divide the {rl.batch_size // rl.attempts} groups of a step "
+            f"(rl.batch_size = {rl.batch_size} / rl.attempts = {rl.attempts}): each part is whole groups "
+            f"({cfg.source})"
         )
     if cfg.job.stage == "rl" and cfg.inference.top_p < 1:
         # Both samplers return log-probs of the renormalised nucleus, the trainer those of the full softmax: the

@@ -45,11 +45,13 @@ def forward_backward(
     device: torch.device,
     chunk_size: int = 1024,
     defer_grad_sync: bool = False,
+    final: bool = True,
 ) -> dict[str, float]:
     """Accumulate gradients over this rank's micro-batches (lockstep with the other ranks).
 
     Gradients are reduce-scattered after every micro-batch (each rank keeps only its shard); `defer_grad_sync`
-    reduces once after the last one instead (`trainer.defer_grad_sync`). Returns this rank's summed statistics
+    reduces once after the step's last one instead (`trainer.defer_grad_sync`): the last of this call when `final`,
+    else a later call's (a step whose batch comes in parts, `rl.waves`). Returns this rank's summed statistics
     (callers reduce them across ranks).
     """
     n = agree_max(len(micro_batches), group, device)
@@ -57,7 +59,7 @@ def forward_backward(
     for i in range(n):
         real = i < len(micro_batches)
         mb = micro_batches[i] if real else _dummy_micro_batch(device)
-        model.set_requires_gradient_sync(not defer_grad_sync or i == n - 1)
+        model.set_requires_gradient_sync(not defer_grad_sync or (final and i == n - 1))
         logp, ent = model(
             mb["input_ids"],
             mb["position_ids"],

@@ -80,11 +80,10 @@ class RLTrainer:
         self.collector: Collector | None = None
         self.receiver: RolloutReceiver | None = None
         if world.is_main:
-            # The receive queue holds one step's worth of groups: together with the engines' small send queues
-            # this bounds how far generation can run ahead of training (and so the lag).
-            self.receiver = RolloutReceiver(
-                world.rollout_group, len(world.inference_ranks), max(1, rl.batch_size // rl.attempts)
-            )
+            # The receive queue holds what the trainer takes at once (a step's groups, or one part of them with
+            # rl.waves): with the engines' small send queues this bounds how far generation can run ahead of
+            # training (and so the lag).
+            self.receiver = RolloutReceiver(world.rollout_group, len(world.inference_ranks), self._wave_groups())
             self.collector = Collector(self.receiver, rl, len(world.inference_ranks))
         self.loss_settings = LossSettings(kind=rl.loss, is_clip=rl.is_clip, ppo_eps=rl.ppo_eps, kl_coef=rl.kl_coef)
         self.tokenizer = load_tokenizer(tokenizer_path)
@@ -131,15 +130,21 @@ class RLTrainer:
         if self.world.is_main:
             print(f"[rl] resumed from {path} at step {self.start_step}, version {self.version}", flush=True)
 
+    def _wave_groups(self) -> int:
+        """Groups in each of a step's parts (`rl.waves`)."""
+        rl = self.cfg.rl
+        return max(1, rl.batch_size // rl.attempts // rl.waves)
+
     def _my_share(self) -> list[Sample]:
-        """This rank's samples of the next batch: the collector (first trainer rank) assembles it, splits it by
-        tokens and sends every trainer rank its share as tensors."""
+        """This rank's samples of the next part of the batch (`rl.waves`; the whole batch by default): the
+        collector (first trainer rank) assembles it, splits it by tokens and sends every trainer rank its share as
+        tensors."""
         parts, stop = None, 0
         if self.collector is not None:
             try:
-                batch = self.collector.next_batch(self.version, self.cfg.world.timeout_s)
+                batch = self.collector.next_batch(self.version, self.cfg.world.timeout_s, self._wave_groups())
                 parts = split_balanced(batch, len(self.world.trainer_ranks))
-                self._batch = [s for part in parts for s in part]  # for the metrics and rollout logs (this rank)
+                self._batch += [s for part in parts for s in part]  # for the metrics and rollout logs (this rank)
             except StopRequested as e:  # the other trainer ranks stop here too, at the same step
                 stop = e.signum
         with waiting_for("this step's share of the batch from the first trainer rank", self.world.rank):
@@ -157,28 +162,36 @@ class RLTrainer:
         cfg, world, device = self.cfg, self.world, self.world.device
         maybe_fail(world.rank, step)
         t_start = time.perf_counter()
-        mine = self._my_share()
-        t_data = time.perf_counter()
-        micro = rl_micro_batches(mine, cfg.trainer.micro_batch_tokens, device)
-        if self.ref_model is not None:
-            add_reference_logprobs(
-                self.ref_model,
+        self._batch, waited, stats = [], 0.0, {}
+        for wave in range(cfg.rl.waves):  # each part trained as soon as it is in hand (rl.waves)
+            t_wait = time.perf_counter()
+            mine = self._my_share()
+            waited += time.perf_counter() - t_wait
+            micro = rl_micro_batches(mine, cfg.trainer.micro_batch_tokens, device)
+            if self.ref_model is not None:
+                add_reference_logprobs(
+                    self.ref_model,
+                    micro,
+                    cfg.inference.temperature,
+                    world.trainer_group,
+                    device,
+                    cfg.trainer.logprob_chunk_size,
+                )
+            wave_stats = forward_backward(
+                self.policy.model,
                 micro,
+                self._loss_fn,
                 cfg.inference.temperature,
                 world.trainer_group,
                 device,
                 cfg.trainer.logprob_chunk_size,
+                cfg.trainer.defer_grad_sync,
+                final=wave == cfg.rl.waves - 1,
             )
-        stats = forward_backward(
-            self.policy.model,
-            micro,
-            self._loss_fn,
-            cfg.inference.temperature,
-            world.trainer_group,
-            device,
-            cfg.trainer.logprob_chunk_size,
-            cfg.trainer.defer_grad_sync,
-        )
+            for k, v in wave_stats.items():
+                stats[k] = stats.get(k, 0.0) + v
+        # the step's time waiting for data, as if it had come first (busy time = the rest)
+        t_data = t_start + waited
         if nan_loss_at(step):
             for p in self.policy.model.parameters():  # as if the loss had been NaN: every gradient NaN
                 if p.grad is not None:
@@ -337,7 +350,7 @@ class RLTrainer:
         for step in range(self.start_step, last):
             try:
                 self.train_step(step)
-            except StopRequested as stop:  # raised before this step changed anything: `step` steps are done
+            except StopRequested as stop:  # raised before this step changed the weights: `step` steps are done
                 self._stop(step, saved, stop)
                 raise
             if interval and ((step + 1) % interval == 0 or step + 1 == last):  # and a final one

@@ -99,9 +99,11 @@ def pipeline_lag_bound(
     engines: int,
     span_steps: int = 0,
     overlap_push: bool = True,
+    waves: int = 1,
 ) -> int:
     """The largest token lag the queues allow in pipeline mode. When a group's first token is sampled, the groups
-    that can be trained before it are at most: the trainer's receive queue (Q = batch_size / attempts groups) and
+    that can be trained before it are at most: the trainer's receive queue (Q = batch_size / attempts groups, Q / waves
+    with `rl.waves`) and
     the one its thread holds, and per engine its send queue, the one its sender thread holds, the one its loop holds
     while blocked on a full queue, and its other groups in flight (max_num_seqs / attempts, this one included). The
     group is then trained at most ceil((those + 1) / Q) steps later, plus `span_steps`: the trainer steps that pass
@@ -112,7 +114,7 @@ def pipeline_lag_bound(
     still on its way to the engines, which sample meanwhile with the version before (measured in the default job
     with the reference engine: lag_max 4 against 3 from the queues)."""
     q = batch_size // attempts
-    ahead = q + 1 + engines * (max_queued_groups + 2 + max_num_seqs // attempts) - 1
+    ahead = q // waves + 1 + engines * (max_queued_groups + 2 + max_num_seqs // attempts) - 1
     return -(-(ahead + 1) // q) + span_steps + int(overlap_push)
 
 

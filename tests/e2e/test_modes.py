@@ -82,3 +82,16 @@ def test_pipeline_mode_updates_inside_sequences_with_bounded_lag(warm_folder, tm
     assert any(x["mixed_version_frac"] > 0 for x in recs)
     assert max(x["lag_max"] for x in recs) <= pipeline_lag_bound(32, 4, 16, 2, 1)
     assert recs[-1]["dropped_stale"] == 0
+
+
+def test_pipeline_mode_taking_each_batch_in_parts(warm_folder, tmp_path):
+    # rl.waves = 4: the trainer trains on each quarter of the batch as it arrives and holds at most a quarter in
+    # its receive queue, so the queues allow one version less of lag than with whole batches (3 here, against 4)
+    recs = run_mode(warm_folder, tmp_path, "pipeline", "--inference.engine=reference", "--rl.waves=4")
+    assert pipeline_lag_bound(32, 4, 16, 2, 1, waves=4) < pipeline_lag_bound(32, 4, 16, 2, 1)
+    assert max(x["lag_max"] for x in recs) <= pipeline_lag_bound(32, 4, 16, 2, 1, waves=4)
+    assert any(x["mixed_version_frac"] > 0 for x in recs)
+    # the step's statistics sum over every part: trained tokens per sample of the whole batch (~5 for 3-digit sums;
+    # the last part's tokens alone over the batch's samples would be a quarter of that)
+    assert all(x["completion_len"] >= 3 and x["ess"] > 0.98 for x in recs)
+    assert recs[-1]["dropped_stale"] == 0

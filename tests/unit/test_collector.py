@@ -107,6 +107,24 @@ def test_conventional_round_is_collected_at_its_first_step():
     assert {s.group_id for s in c.next_batch(version=2, timeout_s=5)} == {4, 5}
 
 
+def test_a_step_taken_in_parts_gets_whole_groups_as_soon_as_they_arrive():
+    # rl.waves: the trainer asks for one group at a time; the collector waits for no more than that
+    src = FakeSource([group(i, [[2], [2]]) for i in range(3)])
+    c = Collector(src, rl(batch_size=4, waves=2), n_engines=1)
+    part = c.next_batch(version=2, timeout_s=5, groups=1)
+    assert [s.group_id for s in part] == [0, 0] and len(src.groups) == 2  # group 1 not received yet
+    assert [s.group_id for s in c.next_batch(version=2, timeout_s=5, groups=1)] == [1, 1]
+
+
+def test_conventional_round_taken_in_parts_keeps_its_order_and_is_collected_once():
+    src = FakeSource([group(i, [[0], [0]]) for i in range(4)])
+    c = Collector(src, rl(mode="conventional", sync_every=2, max_lag=8), n_engines=1)
+    parts = [c.next_batch(version=0, timeout_s=5, groups=1)]
+    assert not src.groups  # the round's 4 groups were taken at its first part
+    parts += [c.next_batch(version=0, timeout_s=5, groups=1) for _ in range(3)]
+    assert [p[0].group_id for p in parts] == [0, 1, 2, 3] and all(len(p) == 2 for p in parts)
+
+
 def test_stream_positions_per_engine_for_resume():
     src = FakeSource([group(0, [[0], [0]]), group(3, [[0], [0]]), group(1, [[0], [0]]), group(2, [[0], [0]])])
     c = Collector(src, rl(), n_engines=2)

@@ -117,6 +117,11 @@ def test_file_errors_name_the_key(tmp_path, text, pattern):
         (["--inference.engine=sglang"], r"inference\.engine"),
         (["--checkpoint.export_every=-2"], r"checkpoint\.export_every = -2 must be >= 0"),
         (["--inference.gpu_memory_utilization=1.5"], r"inference\.gpu_memory_utilization = 1\.5 must be in \(0, 1\]"),
+        (["--rl.waves=0"], r"rl\.waves = 0 must be >= 1"),
+        (
+            ["--rl.waves=3"],
+            r"rl\.waves = 3 must divide the 8 groups of a step \(rl\.batch_size = 64 / rl\.attempts = 8\)",
+        ),
     ],
 )
 def test_command_line_errors_name_the_key(args, pattern):

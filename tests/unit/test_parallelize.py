@@ -1,5 +1,6 @@
 """FSDP2 set-up choices on a one-rank gloo group: activation checkpointing (same gradients, fewer saved
-activations), the fp32 head under bf16 mixed precision, gradients reduced per micro-batch unless deferred."""
+activations), the fp32 head under bf16 mixed precision, gradients reduced per micro-batch unless deferred, and a
+step whose batch comes in parts (`rl.waves`)."""
 
 from __future__ import annotations
 
@@ -106,5 +107,30 @@ def test_gradients_are_reduced_per_micro_batch_unless_deferred(mesh, defer: bool
     # the same sum of gradients either way
     model.zero_grad()
     forward_backward(model, micro, loss_fn, 1.0, None, torch.device("cpu"), defer_grad_sync=not defer)
+    for a, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad.full_tensor(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_step_in_parts_accumulates_the_gradients_of_the_whole_batch(mesh, defer: bool):
+    # rl.waves: forward_backward once per part, `final` only on the last; with deferred sync nothing is reduced
+    # before the step's last micro-batch, and the sum is that of one call over every micro-batch
+    model = apply_fsdp(build_model(ARGS, seed=7), mesh, torch.float32, torch.float32)
+    seen: list[bool] = []
+
+    def loss_fn(logp, ent, mb):
+        seen.append(any(p.grad is not None for p in model.model.layers[0].parameters()))
+        return logp.sum(), {"n": 1.0}
+
+    micro = [batch(seed=i) for i in range(4)]
+    dev = torch.device("cpu")
+    whole = forward_backward(model, micro, loss_fn, 1.0, None, dev, defer_grad_sync=defer)
+    grads = [p.grad.full_tensor().clone() for p in model.parameters()]
+    model.zero_grad()
+    seen.clear()
+    first = forward_backward(model, micro[:1], loss_fn, 1.0, None, dev, defer_grad_sync=defer, final=False)
+    second = forward_backward(model, micro[1:], loss_fn, 1.0, None, dev, defer_grad_sync=defer, final=True)
+    assert seen == [False, not defer, not defer, not defer]
+    assert first["n"] + second["n"] == whole["n"] == 4
     for a, p in zip(grads, model.parameters()):
         torch.testing.assert_close(a, p.grad.full_tensor(), rtol=1e-5, atol=1e-6)
