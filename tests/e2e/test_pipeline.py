@@ -144,7 +144,8 @@ def test_default_pipeline_learns(default_warmstart, tmp_path, engine):
     "nproc, n_inf, extra",
     [
         (2, 1, ("--inference.engine=reference",)),
-        (3, 1, ("--inference.engine=reference", "--inference.recompute_kv_on_update=true")),
+        # two trainer ranks taking each batch in 4 parts (rl.waves): every part's samples trained, logged, dumped
+        (3, 1, ("--inference.engine=reference", "--inference.recompute_kv_on_update=true", "--rl.waves=4")),
         pytest.param(3, 1, ("--inference.engine=vllm", "--inference.recompute_kv_on_update=true"), marks=VLLM.marks),
         pytest.param(4, 2, ("--inference.engine=vllm", "--rl.filter_zero_advantage=true"), marks=VLLM.marks),
     ],
