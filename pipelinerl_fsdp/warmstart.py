@@ -1,11 +1,15 @@
 """Supervised warm start: train the initial policy on reference solutions with the FSDP2 trainer, save an HF folder.
 
-RL runs start from that folder; when it already exists it is reused, not retrained.
+RL runs start from that folder; when it already exists it is reused, not retrained. The folder records which
+held-out problems its training never drew (`held_out.json`), so that a run reusing it with another held-out set
+(a larger `task.eval_size`, another seed) fails instead of evaluating on problems the warm start may have learnt.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 import shutil
 import time
@@ -27,6 +31,32 @@ from pipelinerl_fsdp.tasks import Problem, ProblemStream, Task, make_task
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer, encode_prompt, load_tokenizer
 from pipelinerl_fsdp.train_step import forward_backward, sum_over_ranks
 from pipelinerl_fsdp.world import World
+
+HELD_OUT_FILE = "held_out.json"
+
+
+def held_out_fingerprints(task: Task) -> list[str]:
+    """Short hashes of the prompts of the task's held-out split (those its training streams never draw)."""
+    return sorted({hashlib.sha256(p.prompt.encode()).hexdigest()[:16] for p in task.eval_split()})
+
+
+def held_out_problem(folder: Path, task: Task, cfg: Config) -> str | None:
+    """Why the warm-start `folder` cannot be used with this config's held-out split, or None when every held-out
+    problem was held out of its training too (or the folder has no record to check against)."""
+    record = folder / HELD_OUT_FILE
+    if not record.is_file():
+        return None
+    kept_out = set(json.loads(record.read_text())["prompt_sha256_16"])
+    mine = held_out_fingerprints(task)
+    missing = [h for h in mine if h not in kept_out]
+    if not missing:
+        return None
+    return (
+        f"warmstart.path {folder}: {len(missing)} of this run's {len(mine)} held-out problems (task {cfg.task.name}, "
+        f"task.eval_size={cfg.task.eval_size}, task.eval_seed={cfg.task.eval_seed}) were not held out when it was "
+        "trained, so held-out accuracy would count problems it may have learnt. Delete the folder to train it "
+        "again with this held-out set, or point warmstart.path elsewhere"
+    )
 
 
 def is_complete_hf_folder(path: str | Path) -> bool:
@@ -93,8 +123,17 @@ def run_warmstart(cfg: Config, world: World) -> Path:
     group, device = world.trainer_group, world.device
     n_ranks, dp_rank = len(world.trainer_ranks), world.trainer_rank
     if is_complete_hf_folder(out):
+        why = held_out_problem(out, task, cfg)
+        if why:
+            raise ConfigError(why)
         if world.is_main:
             print(f"[warmstart] reusing {out} (delete it to train again)", flush=True)
+            if not (out / HELD_OUT_FILE).is_file():
+                print(
+                    f"[warmstart] note: {out} has no {HELD_OUT_FILE} (made by an older version): cannot check that "
+                    "this run's held-out problems were kept out of its training; delete it to train it again",
+                    flush=True,
+                )
         return out
 
     tokenizer = initial_tokenizer(cfg, task)
@@ -196,7 +235,7 @@ def run_warmstart(cfg: Config, world: World) -> Path:
         )
     full = full_state_dict(model)
     if world.is_main:
-        save_warmstart_folder(out, args, full, tokenizer)
+        save_warmstart_folder(out, args, full, tokenizer, held_out_fingerprints(task))
         print(f"[warmstart] saved {out} (held-out greedy accuracy {accuracy:.3f})", flush=True)
     logger.close()
     dist.barrier(group=group)
@@ -204,14 +243,20 @@ def run_warmstart(cfg: Config, world: World) -> Path:
 
 
 def save_warmstart_folder(
-    out: Path, args, state_dict: dict[str, torch.Tensor], tokenizer: PreTrainedTokenizerBase
+    out: Path,
+    args,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer: PreTrainedTokenizerBase,
+    held_out: list[str],
 ) -> None:
-    """Write model + tokenizer to a temporary folder, then rename: a crash never leaves a half folder to reuse."""
+    """Write model + tokenizer + the held-out record (`held_out_fingerprints`) to a temporary folder, then rename:
+    a crash never leaves a half folder to reuse."""
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     args = dataclasses.replace(args, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     save_hf_folder(tmp, args, state_dict, dtype=torch.float32)
     tokenizer.save_pretrained(str(tmp))
+    (tmp / HELD_OUT_FILE).write_text(json.dumps({"prompt_sha256_16": held_out}))
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)

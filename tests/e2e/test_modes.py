@@ -92,6 +92,8 @@ def test_pipeline_mode_taking_each_batch_in_parts(warm_folder, tmp_path):
     assert max(x["lag_max"] for x in recs) <= pipeline_lag_bound(32, 4, 16, 2, 1, waves=4)
     assert any(x["mixed_version_frac"] > 0 for x in recs)
     # the step's statistics sum over every part: trained tokens per sample of the whole batch (~5 for 3-digit sums;
-    # the last part's tokens alone over the batch's samples would be a quarter of that)
-    assert all(x["completion_len"] >= 3 and x["ess"] > 0.98 for x in recs)
+    # the last part's tokens alone over the batch's samples would be a quarter of that). Per-step ESS measured
+    # 0.990-0.991 at its lowest in 4 runs (~0.999 typical); behaviour log-probs misaligned with their tokens give
+    # far less
+    assert all(x["completion_len"] >= 3 and x["ess"] > 0.95 for x in recs)
     assert recs[-1]["dropped_stale"] == 0

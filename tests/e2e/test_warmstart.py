@@ -47,6 +47,14 @@ def test_default_warmstart_reaches_40_percent_and_is_reused(default_warmstart, t
     assert "reusing" in r2.stdout
     assert (folder / "model.safetensors").stat().st_mtime_ns == before
 
+    # Reused with a larger held-out set than it kept out of its training: refused, naming the key.
+    assert (folder / "held_out.json").is_file()
+    more = ("--task.eval_size=600", f"--job.output_dir={tmp_path}/more")
+    r3 = torchrun(1, *WARMSTART, f"--warmstart.path={folder}", *more)
+    assert r3.returncode != 0
+    err = r3.stderr
+    assert "100 of this run's 600 held-out problems" in err and "task.eval_size=600" in err, err[-2000:]
+
 
 def test_two_fsdp_ranks_match_one_rank(tmp_path):
     """Same problems per step (ranks take interleaved indices), loss normalised by the global token count:
