@@ -131,9 +131,9 @@ class RLTrainer:
             print(f"[rl] resumed from {path} at step {self.start_step}, version {self.version}", flush=True)
 
     def _wave_groups(self) -> int:
-        """Groups in each of a step's parts (`rl.waves`)."""
+        """Groups in each of a step's parts (`rl.waves`, which validation makes divide the step's groups)."""
         rl = self.cfg.rl
-        return max(1, rl.batch_size // rl.attempts // rl.waves)
+        return rl.batch_size // rl.attempts // rl.waves
 
     def _my_share(self) -> list[Sample]:
         """This rank's samples of the next part of the batch (`rl.waves`; the whole batch by default): the
