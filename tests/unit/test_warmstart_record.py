@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-from pipelinerl_fsdp.config import load_config
-from pipelinerl_fsdp.tasks import make_task
+from pipelinerl_fsdp.config import Config, load_config
+from pipelinerl_fsdp.tasks import Task, make_task
 from pipelinerl_fsdp.warmstart import HELD_OUT_FILE, held_out_fingerprints, held_out_problem
 
 
-def _config(*overrides: str):
+def _config(*overrides: str) -> tuple[Config, Task]:
     cfg = load_config(["--config", "arithmetic", *overrides])
     return cfg, make_task(cfg.task)
 
