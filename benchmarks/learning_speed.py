@@ -134,8 +134,9 @@ TASK_SETTINGS = {
     # on the first 256 than on 4096, and near the target the policy gains ~0.03 per 4 steps, within the 256's noise
     # (+-0.022): there pipeline seemed to need ~14% more samples than conventional G=1, while on 4096 problems the
     # two modes' exports at steps 4-16 agree within 0.007 on every seed. An export takes ~10 s to evaluate on 1024
-    # problems here, so --quick evaluates the first 512 (same conclusion, noisier). The quick run's 32 steps take
-    # every mode past 0.85 (final ~0.88). The trainer
+    # problems here, so --quick evaluates the first 512 (noisier). The quick run's 32 steps take every mode past
+    # 0.85 (final ~0.86-0.89), but 0.85 sits at the edge of a plateau (every mode ~0.85 at step 12, then 0.84-0.87
+    # until step 24-32), so its crossing time is bimodal from run to run (README); 0.83 is on the climb. The trainer
     # takes whole batches: with `--extra=--rl.waves=4` (pipeline and async take each batch in 4 parts) the lag falls
     # from ~1.8 to ~1.0 and pipeline's mean ESS rises above conventional G=4's, but time to target did not improve
     # (README). Conventional modes always take whole batches: their round is complete before training starts, and
