@@ -82,7 +82,8 @@ def parse_args() -> argparse.Namespace:
         "on a noisy curve says little",
     )
     p.add_argument("--window", type=int, default=10, help="steps in the reward moving average")
-    p.add_argument("--seeds", type=int, default=3, help="runs per mode (job.seed = 0, 1, ...)")
+    p.add_argument("--seeds", type=int, default=3, help="runs per mode (job.seed = --first-seed, then +1, ...)")
+    p.add_argument("--first-seed", type=int, default=0, help="job.seed of the first run (to add seeds to a run)")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--inference-ranks", type=int, default=1)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learning_speed")
@@ -512,7 +513,7 @@ def main() -> None:
                 "preset's warm start stops at a fixed accuracy) or raise --target / --more-targets"
             )
     per_seed: dict[str, list[dict]] = {}
-    for seed in range(a.seeds):
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
         for spec in modes.split(","):
             mode, _, g = spec.partition(":")
             g = g or "1"
@@ -554,6 +555,7 @@ def main() -> None:
         "config": a.config,
         "steps": steps,
         "seeds": a.seeds,
+        "first_seed": a.first_seed,
         "target": target,
         "more_targets": more_targets,
         "window": a.window,
