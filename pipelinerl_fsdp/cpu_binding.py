@@ -5,7 +5,8 @@ core, our client thread and the trainer's threads across all of them (measured b
 step took 0.24 s in pipeline mode against 0.19 s in conventional mode on 2 cores). The split: each local vLLM
 engine takes `per_engine` cores from the top core down (its OpenMP threads are bound inside that slice, see
 `inference/placement.py`), the local trainer ranks share the cores below, in equal contiguous slices. The binding
-is the process's CPU affinity, which every child inherits: vLLM's engine core and workers, reward workers.
+is the CPU affinity of every thread of the process (gloo's I/O loops included), which every thread and child
+started later inherits: vLLM's engine core and workers, reward workers.
 GPU jobs are not bound (their CPUs feed the GPUs; the layout there is the cluster's business).
 """
 
@@ -46,10 +47,37 @@ def trainer_slice(
     return list(cores[first:last])
 
 
-def bind(cores: list[int]) -> bool:
-    """Bind this process (and the processes it starts from now on) to `cores`; False where the OS cannot."""
+def _thread_ids() -> set[int]:
+    """This process's threads (Linux: /proc/self/task); {0}, the calling thread, where there is no /proc."""
     try:
-        os.sched_setaffinity(0, cores)
+        return {int(t) for t in os.listdir("/proc/self/task")}
+    except OSError:
+        return {0}
+
+
+def bind(cores: list[int]) -> bool:
+    """Bind this process (every thread it runs now, and the threads and processes it starts from now on) to
+    `cores`; False where the OS cannot.
+
+    Linux's affinity is per thread: `sched_setaffinity(0)` binds only the calling thread, and threads already
+    running keep theirs. By the time a rank binds (after the warm start) torch.distributed has started gloo's
+    I/O loops for the job's process groups; left on every core, an inference rank's loop ran on the trainer's core
+    and the trainer's own loop (the rollouts in, the weight pushes out: ~8% of a core) could land on the
+    engine's. So every thread is bound; passes repeat until no new thread appears (one started meanwhile by a
+    thread not yet bound would keep the old affinity)."""
+    want = set(cores)
+    seen: set[int] = set()
+    try:
+        for _ in range(10):
+            tids = _thread_ids()
+            if tids <= seen:
+                break
+            for tid in sorted(tids - seen):
+                try:
+                    os.sched_setaffinity(tid, want)
+                except ProcessLookupError:  # the thread ended meanwhile
+                    pass
+            seen |= tids
     except (AttributeError, OSError):
         return False
     return True
