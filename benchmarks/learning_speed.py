@@ -524,7 +524,8 @@ def main() -> None:
             name = f"{mode}_G{g}" if mode == "conventional" else mode
             out = a.out / "runs" / f"{name}_seed{seed}"
             t0 = time.time()
-            shutil.rmtree(out / "exports", ignore_errors=True)  # a previous run's exports are not this run's
+            # a clean folder: an earlier run's checkpoints would be resumed from, its exports evaluated as this run's
+            shutil.rmtree(out, ignore_errors=True)
             args = [*common, f"--job.seed={seed}", f"--job.output_dir={out}"]
             if mode == "colocated":
                 run_logged(*colocated_command(args), a.out / f"{name}_seed{seed}.log")

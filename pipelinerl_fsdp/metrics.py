@@ -81,10 +81,12 @@ class MetricsLogger:
         prefix: str = "",
         total_steps: int = 0,
         console_fields: ConsoleFields | None = None,
-        resume_step: int | None = None,
+        resume_step: int = 0,
     ) -> None:
-        """With `resume_step` (a resumed run), records after that step, written by the attempt that stopped, are
-        dropped from metrics.jsonl, evals.jsonl and TensorBoard, so that the continued run logs every step once."""
+        """Records after `resume_step` already in the folder are dropped from metrics.jsonl, evals.jsonl and
+        TensorBoard, so that the run logs every step once: in a resumed run those of the attempt that stopped; in
+        a fresh run (`resume_step` 0) those of an earlier run in the same folder, which appending would mix with
+        this run's (its steps counted twice, its wall times jumping back)."""
         self.enabled = enabled
         self.prefix = prefix
         self.total_steps = total_steps
@@ -100,15 +102,22 @@ class MetricsLogger:
         out.mkdir(parents=True, exist_ok=True)
         for name in ("metrics.jsonl", "evals.jsonl"):
             path = out / name
-            if resume_step is not None and path.exists():
-                kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resume_step]
+            if path.exists():
+                lines = path.read_text().splitlines()
+                kept = [line for line in lines if _step_of(line) <= resume_step]
                 path.write_text("".join(line + "\n" for line in kept))
+                if resume_step == 0 and lines and name == "metrics.jsonl":
+                    print(
+                        f"[{prefix.strip('/') or 'metrics'}] {path}: {len(lines)} records of an earlier run in this "
+                        "folder replaced (a fresh run)",
+                        flush=True,
+                    )
         self._file = open(out / "metrics.jsonl", "a", buffering=1)
         self._evals_path = out / "evals.jsonl"
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            purge = None if resume_step is None else resume_step + 1  # events at later steps are hidden
+            purge = resume_step + 1  # events at later steps (an earlier attempt's or run's) are hidden
             self._writer = SummaryWriter(log_dir=str(out / "tb"), purge_step=purge)
 
     def log(self, step: int, values: dict[str, Any], console: bool = True, evals: list[dict[str, float]] = ()) -> None:

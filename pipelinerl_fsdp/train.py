@@ -53,8 +53,9 @@ def run_rl(cfg: Config, world: World) -> None:
 
 
 def bind_cpu_cores(cfg: Config, world: World) -> None:
-    """CPU jobs (`job.bind_cores`): bind this rank, and what it starts from now on (vLLM, reward workers), to its
-    cores; after the warm start, which lets the trainers use every core while the engines wait."""
+    """CPU jobs (`job.bind_cores`): bind every thread of this rank (gloo's I/O loops included), and what it starts
+    from now on (vLLM, reward workers), to its cores; after the warm start, which lets the trainers use every core
+    while the engines wait."""
     from pipelinerl_fsdp import cpu_binding
     from pipelinerl_fsdp.inference.placement import rank_cores
 

@@ -106,7 +106,7 @@ class RLTrainer:
             prefix="rl/",
             total_steps=rl.max_steps,
             console_fields=rl_console(self.eval_sets[0] if self.eval_sets else None),
-            resume_step=self.start_step if resume_from is not None else None,
+            resume_step=self.start_step,  # 0 in a fresh run
         )
         self.rollout_log = RolloutLog(
             Path(cfg.job.output_dir) / "rl" / "rollouts",

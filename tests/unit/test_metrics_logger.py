@@ -59,3 +59,17 @@ def test_a_resumed_logger_drops_later_evaluations(tmp_path):
     log.log(6, {"x": 6}, console=False)
     log.close()
     assert [e["step"] for e in lines(tmp_path / "evals.jsonl")] == [1, 4]  # step 7's was the stopped attempt's
+
+
+def test_a_fresh_run_replaces_an_earlier_runs_records(tmp_path, capsys):
+    log = MetricsLogger(tmp_path, tensorboard=False, total_steps=32, prefix="rl/")
+    for step in range(1, 33):
+        log.log(step, {"x": step}, console=False, evals=[ev("heldout", step, 0.5)] if step % 8 == 0 else [])
+    log.close()
+    log = MetricsLogger(tmp_path, tensorboard=False, total_steps=24, prefix="rl/")  # the same folder, from step 1
+    for step in range(1, 4):
+        log.log(step, {"x": 10 * step}, console=False)
+    log.close()
+    assert [(r["step"], r["x"]) for r in lines(tmp_path / "metrics.jsonl")] == [(1, 10), (2, 20), (3, 30)]
+    assert lines(tmp_path / "evals.jsonl") == []
+    assert "32 records of an earlier run in this folder replaced" in capsys.readouterr().out
