@@ -35,7 +35,9 @@ from pipelinerl_fsdp.transport.store_group import join_store_group, store_addres
 from pipelinerl_fsdp.transport.weights import STOP, UPDATE, WeightReceiver, WeightSender  # noqa: E402
 from pipelinerl_fsdp.world import init_world  # noqa: E402
 
-T, MAX_TOKENS, MAX_LEN = 0.8, 160, 192
+# 400 tokens: generation takes ~1.3 s here, so the update (sent ~0.15 s in) lands mid-sequence even when a busy
+# machine delays it by a second; with 160 tokens (~0.6 s) a stall of ~0.4 s made the update arrive after the end.
+T, MAX_TOKENS, MAX_LEN = 0.8, 400, 448
 PROMPTS = [[3, 4, 5, 13], [6, 7, 8, 9, 13], [10, 13], [11, 12, 13]]
 
 
