@@ -52,5 +52,9 @@ def test_colocated_generates_with_the_weights_it_just_trained(default_warmstart,
     for x in recs:
         assert x["lag_max"] == 0 and x["mixed_version_frac"] == 0
         assert x["ess"] > 0.999, x  # behaviour policy = trained policy
-        # generation and training take turns: together they fill the step
-        assert abs(x["trainer_busy_frac"] + x["inference_busy_frac"] - 1) < 0.05, x
+        # generation and training take turns: they never overlap
+        assert x["trainer_busy_frac"] + x["inference_busy_frac"] < 1.02, x
+    # ... and together they fill the steps. Per step a stall outside both (an export, the machine) can leave a gap:
+    # one CI run had a step at 0.85 among steps at 0.98-0.99
+    fill = sorted(x["trainer_busy_frac"] + x["inference_busy_frac"] for x in recs)
+    assert fill[len(fill) // 2] > 0.95, fill
