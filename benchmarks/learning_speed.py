@@ -503,7 +503,8 @@ def main() -> None:
 
         torch.set_num_threads(len(os.sched_getaffinity(0)))  # evaluation runs between runs, on every core
         job_cfg = load_config(common)
-        evaluator = Evaluator(job_cfg, eval_size)
+        # exports are evaluated one per core at a time; the warm start here, on every core
+        evaluator = Evaluator(job_cfg, eval_size, workers=len(os.sched_getaffinity(0)))
         start_accuracy = evaluator.accuracy(Path(job_cfg.warmstart.path))
         metric = (
             f"held-out greedy accuracy ({len(evaluator.problems)} problems) of the policy exported every "
@@ -549,6 +550,8 @@ def main() -> None:
                 + f"mean ESS {r['mean_ess']:.3f}, steps/s {r['steps_per_s']:.2f}",
                 flush=True,
             )
+    if evaluator is not None:
+        evaluator.close()
     results = {name: aggregate(runs) for name, runs in per_seed.items()}
     speedups(results)
     conv1 = results.get("conventional_G1")

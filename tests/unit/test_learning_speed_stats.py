@@ -175,6 +175,7 @@ def test_the_curve_pairs_exports_with_their_steps_and_stops_at_the_highest_targe
     (tmp_path / "final").mkdir()
     (tmp_path / "final" / "config.json").write_text("{}")
     ev = Evaluator.__new__(Evaluator)  # no task or model: the accuracy of a folder is looked up
+    ev.workers, ev._pool = 1, None
     seen = []
 
     def accuracy(folder):
@@ -188,3 +189,42 @@ def test_the_curve_pairs_exports_with_their_steps_and_stops_at_the_highest_targe
     seen.clear()
     c = ev.curve(tmp_path, 0.7, until=0.9)  # step 6 is not needed for any target up to 0.9; final/ always is
     assert c["step"] == [0, 2, 4, 8] and seen == ["step-0000002", "step-0000004", "final"]
+
+
+def test_exports_evaluated_in_parallel_give_the_same_curve(tmp_path):
+    """Two at a time: an export evaluated after the crossing in the same batch stays off the curve, the last one
+    is on it, and a warm start already at the target needs only the last."""
+    import json
+
+    from export_eval import Evaluator
+
+    recs = [{"step": i, "wall_time_s": 1.5 * i, "samples": 64 * i} for i in range(1, 11)]
+    (tmp_path / "rl").mkdir()
+    (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    acc = {2: 0.8, 4: 0.9, 6: 0.85, 8: 0.87, 10: 0.95}
+    for step in (2, 4, 6, 8):
+        (tmp_path / "exports" / f"step-{step:07d}").mkdir(parents=True)
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.json").write_text("{}")
+    ev = Evaluator.__new__(Evaluator)
+    ev.workers, ev._pool = 2, None
+    batches = []
+
+    def accuracies(folders):
+        batches.append([f.name for f in folders])
+        return [acc[10 if f.name == "final" else int(f.name.removeprefix("step-"))] for f in folders]
+
+    ev.accuracies = accuracies
+    c = ev.curve(tmp_path, 0.7)
+    assert c["step"] == [0, 2, 4, 6, 8, 10] and c["accuracy"] == [0.7, 0.8, 0.9, 0.85, 0.87, 0.95]
+    assert batches == [["step-0000002", "step-0000004"], ["step-0000006", "step-0000008"], ["final"]]
+    batches.clear()
+    c = ev.curve(tmp_path, 0.7, until=0.8)  # reached by the first of a batch: the second is evaluated, not kept
+    assert c["step"] == [0, 2, 10] and c["accuracy"] == [0.7, 0.8, 0.95]
+    assert batches == [["step-0000002", "step-0000004"], ["final"]]
+    batches.clear()
+    c = ev.curve(tmp_path, 0.7, until=0.9)
+    assert c["step"] == [0, 2, 4, 10] and batches == [["step-0000002", "step-0000004"], ["final"]]
+    batches.clear()
+    c = ev.curve(tmp_path, 0.9, until=0.9)  # the warm start is there already
+    assert c["step"] == [0, 10] and batches == [["final"]]
