@@ -93,6 +93,11 @@ def parse_args() -> argparse.Namespace:
         default=[],
         help="one more --section.key=value override for every run; repeat: --extra=--rl.lr=1e-5",
     )
+    p.add_argument(
+        "--replot",
+        action="store_true",
+        help="only draw --out's learning_speed.png from its learning_speed.json (e.g. after installing matplotlib)",
+    )
     return p.parse_args()
 
 
@@ -462,6 +467,11 @@ def plot(results: dict[str, dict], target: float, path: Path) -> bool:
 
 def main() -> None:
     a = parse_args()
+    if a.replot:
+        saved = json.loads((a.out / "learning_speed.json").read_text())
+        if plot(saved["modes"], saved["settings"]["target"], a.out / "learning_speed.png"):
+            print(f"plot: {a.out / 'learning_speed.png'}", flush=True)
+        return
     ts = TASK_SETTINGS[a.task]
     default_target, default_more = ts.accuracy_targets if a.metric == "accuracy" else ts.reward_targets
     target = a.target if a.target is not None else default_target

@@ -19,6 +19,27 @@ def test_cached_greedy_equals_full_recompute():
         assert o.tokens == seq[len(p) :]
 
 
+def test_sequences_finishing_at_different_steps_keep_their_own_completions():
+    """Finished sequences leave the batch and the running ones are moved into their slots: every completion must
+    still be the one its prompt gets alone (a mix-up of slots would hand one prompt another's tokens)."""
+    model = build_model(flavour_args("debug", vocab_size=40), seed=7).eval()
+    prompts = [[3 + i, 5 + 2 * i, 11 + i] for i in range(12)]
+    free = generate(model, prompts, max_new_tokens=16, eos_id=[], temperature=0.0)
+    # an EOS that completions reach at different steps: sequences leave the batch one after another
+    first = {}
+    for o in free:
+        for t in set(o.tokens):
+            first.setdefault(t, []).append(o.tokens.index(t))
+    eos = max(first, key=lambda t: (len(set(first[t])), -len(first[t])))
+    assert len(set(first[eos])) >= 3
+    outs = generate(model, prompts, max_new_tokens=16, eos_id=eos, temperature=0.0)
+    for p, o in zip(prompts, outs):
+        (alone,) = generate(model, [p], max_new_tokens=16, eos_id=eos, temperature=0.0)
+        assert o.tokens == alone.tokens and o.finished == alone.finished
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(alone.logprobs), rtol=1e-5, atol=1e-5)
+    assert sum(o.finished for o in outs) == len(first[eos])
+
+
 def test_sampled_logprobs_equal_trainer_logprobs():
     torch.manual_seed(0)
     model = build_model(flavour_args("debug-llama", vocab_size=40), seed=6).eval()
