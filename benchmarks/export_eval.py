@@ -53,8 +53,8 @@ def crossing(xs: list[float], ys: list[float], target: float) -> float | None:
 
 class Evaluator:
     """Greedy accuracy of HF folders on a fixed held-out set of the config's task. With `workers` > 1 a curve's
-    exports are evaluated that many at a time, each in a worker process of one thread (on this tiny model one
-    thread per export is ~1.35x faster per core than two threads on one export)."""
+    exports are evaluated that many at a time, each in a worker process of one thread (for the 0.8M model, a
+    run's 8 exports on 2 cores: 42.9 s against 47.6 s with two threads on one export at a time)."""
 
     def __init__(self, cfg: Config, size: int, workers: int = 1) -> None:
         self.cfg = cfg

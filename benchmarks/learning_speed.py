@@ -17,11 +17,11 @@ TensorBoard: `tensorboard --logdir OUT/runs` shows one run per mode and seed.
 
 The targets are of the held-out greedy accuracy (`--metric accuracy`, the default): every run exports its policy
 every --eval-every steps (`checkpoint.export_every`), and after the run `export_eval.py` evaluates the exports on a
-fixed set of held-out problems; time to target is where the curve, linear between exports, first reaches it. This
-measures the policy when it was trained, with little noise (the same problems for every mode, greedy). The sampled
-reward (`--metric reward`: the first step at which its mean over the last --window steps reaches the target) is
-reported beside it; in pipeline mode it is the reward of samples drawn `lag` versions earlier, so it trails the
-policy by the lag and charges pipeline for a delay of the measurement.
+fixed set of held-out problems (one export per core at a time); time to target is where the curve, linear between
+exports, first reaches it. This measures the policy when it was trained, with little noise (the same problems for
+every mode, greedy). The sampled reward (`--metric reward`: the first step at which its mean over the last --window
+steps reaches the target) is reported beside it; in pipeline mode it is the reward of samples drawn `lag` versions
+earlier, so it trails the policy by the lag and charges pipeline for a delay of the measurement.
 
   python benchmarks/learning_speed.py --quick                  # addition: 3 modes, 3 seeds
   python benchmarks/learning_speed.py --task chain_sum --quick # long tail (2..12-term worked sums): pipeline,
