@@ -6,7 +6,7 @@ config and overrides and runs the same RL step as the job's trainer, on the same
 - the same problem stream (`job.seed`), `rl.batch_size / rl.attempts` prompts x `rl.attempts` per step, the task's
   scorer and group advantages;
 - generation by the project's pure-PyTorch engine (`ReferenceEngine`: batched decode with a KV cache, the job's
-  temperature / top-p, stop ids) on an unwrapped copy of the policy;
+  temperature / top-p, stop ids) on an unwrapped copy of the policy in the engines' dtype;
 - training by the job's step: FSDP2 (a one-rank mesh), packed micro-batches, the job's loss, clipping, AdamW and
   schedule (`forward_backward`, `Policy.step`), then the new weights copied into the generator's model;
 - the job's metrics (`step_metrics`: ESS from the engine's and the trainer's log-probs, lag, busy fractions) in
@@ -37,10 +37,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from pipelinerl_fsdp.checkpoint import export_folder
 from pipelinerl_fsdp.config import Config, load_config
 from pipelinerl_fsdp.inference.engine import Request
+from pipelinerl_fsdp.inference.placement import engine_dtype
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
 from pipelinerl_fsdp.metrics import MetricsLogger, rl_console
 from pipelinerl_fsdp.models.hf_io import load_hf_model, save_hf_folder
-from pipelinerl_fsdp.parallelize import DTYPES, apply_fsdp, resolve_fp32_head, resolve_param_dtype
+from pipelinerl_fsdp.parallelize import DTYPES, apply_fsdp, full_state_dict, resolve_fp32_head, resolve_param_dtype
 from pipelinerl_fsdp.policy import build_policy
 from pipelinerl_fsdp.preflight import engine_max_len, sequence_limits, stop_token_ids
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
@@ -65,7 +66,7 @@ class Colocated:
 
     def __init__(self, cfg: Config, model_path: Path) -> None:
         self.cfg = cfg
-        rl, device = cfg.rl, torch.device("cpu")
+        rl, device = cfg.rl, colocated_device(cfg)
         self.device = device
         self.tokenizer = load_tokenizer(cfg.tokenizer.path or model_path)
         self.stops = stop_token_ids(model_path, self.tokenizer)
@@ -76,13 +77,16 @@ class Colocated:
         param_dtype = resolve_param_dtype(cfg.trainer.param_dtype, device)
         apply_fsdp(
             model,
-            init_device_mesh("cpu", (1,)),
+            init_device_mesh(device.type, (1,)),
             param_dtype,
             DTYPES[cfg.trainer.reduce_dtype],
             resolve_fp32_head(cfg.trainer.fp32_head, param_dtype),
         )
         self.policy = build_policy(model, cfg.trainer.optimizer, rl.max_steps)
-        self.generator = load_hf_model(model_path, device, torch.float32).eval().requires_grad_(False)
+        # the engine's dtype (bf16 on GPU, as the job's engines): at lag 0 the ESS then shows what the trainer's
+        # precision (trainer.fp32_head) costs against the engine's log-probs
+        gen_dtype = engine_dtype(cfg, device)
+        self.generator = load_hf_model(model_path, device, gen_dtype).eval().requires_grad_(False)
         prompt_len, _ = sequence_limits(cfg, self.task, self.tokenizer)
         self.engine = ReferenceEngine(
             self.generator,
@@ -152,9 +156,19 @@ class Colocated:
         return {k: stats.get(k, 0.0) for k in LOSS_SUMS}, grad_norm
 
     def export(self, out: Path) -> None:
-        """The policy as an HF folder, from the generator's copy (the same weights, no gather)."""
-        save_hf_folder(out, self.generator.args, self.generator.state_dict(), dtype=torch.float32)
+        """The policy as an HF folder, from the generator's copy where it holds the same fp32 weights (no gather)."""
+        gen = self.generator.state_dict()
+        # a lower-precision generator (bf16 on GPU) would round the export: then from the policy's fp32 weights
+        weights = gen if next(iter(gen.values())).dtype == torch.float32 else full_state_dict(self.policy.model)
+        save_hf_folder(out, self.generator.args, weights, dtype=torch.float32)
         self.tokenizer.save_pretrained(str(out))
+
+
+def colocated_device(cfg: Config) -> torch.device:
+    """The job's device rule for one process: its GPU unless `job.device` is "cpu" or there is none."""
+    if cfg.job.device != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
 
 
 def main(argv: list[str]) -> None:
@@ -169,7 +183,10 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(cfg.job.seed)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    on_gpu = colocated_device(cfg).type == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", rank=0, world_size=1)
     run = Colocated(cfg, model_path)
     logger = MetricsLogger(
         Path(cfg.job.output_dir) / "rl",

@@ -142,11 +142,11 @@ TASK_SETTINGS = {
     # plateaued at 0.84-0.87, so the main target sat on the plateau's edge (its crossing time bimodal from run to
     # run) and ~10 steps from the start, where pipeline's first step (which waits for a whole batch, like
     # conventional's) is a tenth of its time. At 1.5e-5 the same climb takes ~15 steps and crosses 0.85 on the
-    # slope (README). Targets: 0.85, and 0.83 / 0.86 (0.86 is near the plateau again). Every run evaluates its
+    # slope (docs/results.md). Targets: 0.85, and 0.83 / 0.86 (0.86 is near the plateau again). Every run evaluates its
     # exports up to the first that reaches the highest target, and the last (the full run's time limit: 60 min).
     # Pipeline and async take each batch in 4 parts (`rl.waves=4`): with whole batches a trainer-bound pipeline's
     # receive queue holds a whole step of groups that waited a step (lag ~1.75, mean ESS below conventional
-    # G=4's); in parts the lag is ~1.0 and the ESS above G=4's, at the same time to target (README: both full
+    # G=4's); in parts the lag is ~1.0 and the ESS above G=4's, at the same time to target (docs/results.md: both full
     # runs). Conventional modes always take whole batches: their round is complete before training starts, and
     # parts would cost their step ~7% (more, smaller micro-batches).
     "chain_sum": TaskSettings(

@@ -6,6 +6,8 @@ rows' document attention actually gets.
     python benchmarks/train_step_speed.py --flavour debug --tokens 1024 --docs 8           # CPU (fp32)
 
 MFU = 6 x parameters x tokens/s / the device's peak dense bf16 FLOP/s (--peak-tflops; H100/H200 SXM: 989).
+`plan_gib`: what `--job.stage=plan` predicts for this step on one rank (weight sync and CUDA context left out),
+next to the measured `peak_mem_gib`.
 Prints a table; writes JSON.
 """
 
@@ -22,11 +24,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pipelinerl_fsdp.config import OptimizerConfig
+from pipelinerl_fsdp.config import OptimizerConfig, load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.models.decoder import Documents, document_attention
 from pipelinerl_fsdp.optim import build_optimizer
 from pipelinerl_fsdp.parallelize import apply_activation_checkpointing, apply_fsdp, resolve_fp32_head
+from pipelinerl_fsdp.plan import trainer_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +51,20 @@ def sdpa_kernel_for_packed_rows(device: torch.device, dtype: torch.dtype, heads:
         except RuntimeError:
             continue
     return "none"
+
+
+def planned_peak(args, tokens: int, checkpointing: bool, dtype: torch.dtype) -> float:
+    """The plan's bytes for this step on one rank (`plan.trainer_memory`), less what this benchmark does not have
+    (the weight sync's buffers, the CUDA context: `max_memory_allocated` does not see the context)."""
+    cfg = load_config(
+        [
+            f"--trainer.micro_batch_tokens={tokens}",
+            f"--trainer.param_dtype={str(dtype).removeprefix('torch.')}",
+            "--trainer.ac_every=1",
+        ]
+    )
+    items = trainer_memory(cfg, args, 1, checkpointing)
+    return sum(v for k, v in items.items() if not k.startswith(("weight sync", "CUDA context")))
 
 
 def main() -> None:
@@ -104,6 +121,7 @@ def main() -> None:
         "tokens_per_s": round(tok_s, 1),
         "mfu": round(6 * n * tok_s / (a.peak_tflops * 1e12), 4) if cuda else None,
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        "plan_gib": round(planned_peak(args, a.tokens, a.checkpointing, dtype) / 2**30, 2),
         "sdpa_kernel": sdpa_kernel_for_packed_rows(
             device, dtype, args.num_attention_heads, args.num_key_value_heads, hd
         ),

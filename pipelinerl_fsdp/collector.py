@@ -65,6 +65,7 @@ class Collector:
     counts: CollectorCounts = field(default_factory=CollectorCounts)
     buffer: list[Group] = field(default_factory=list)
     engine_stats: dict[int, dict[str, float]] = field(default_factory=dict)
+    pause_max: dict[int, float] = field(default_factory=dict)
     # inference index -> newest group id received from it (for the prompt streams' resume positions)
     max_gid: dict[int, int] = field(default_factory=dict)
     _round: list[Group] = field(default_factory=list)  # conventional: the groups of the round not yet trained
@@ -116,6 +117,8 @@ class Collector:
         """File one received item: an evaluation report aside, a group into the buffer (unless filtered/stale)."""
         src, payload, stats = got
         self.engine_stats[src] = stats
+        # the longest update pause each engine reported since the trainer last read them (`take_pause_max`)
+        self.pause_max[src] = max(self.pause_max.get(src, 0.0), stats.get("pause_ms_max", 0.0))
         if isinstance(payload, EvalReport):
             self.eval_reports.append(payload)
             return

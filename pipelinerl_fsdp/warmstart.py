@@ -233,7 +233,7 @@ def run_warmstart(cfg: Config, world: World) -> Path:
             f"warm start reached held-out accuracy {accuracy:.3f} < warmstart.min_accuracy = "
             f"{ws.min_accuracy}; raise warmstart.steps or the learning rate"
         )
-    full = full_state_dict(model)
+    full = full_state_dict(model, keep=world.is_main, on_cpu=True)
     if world.is_main:
         save_warmstart_folder(out, args, full, tokenizer, held_out_fingerprints(task))
         print(f"[warmstart] saved {out} (held-out greedy accuracy {accuracy:.3f})", flush=True)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipelinerl_fsdp.config import Config, ConfigError
+from pipelinerl_fsdp.gpus import gpu_count
 from pipelinerl_fsdp.transport.store_group import store_prefix
 
 
@@ -31,7 +32,6 @@ class World:
     # first trainer rank + every inference rank; one group per purpose, each used from one thread only
     weight_group: dist.ProcessGroup | None
     rollout_group: dist.ProcessGroup | None
-    control_group: dist.ProcessGroup | None  # every rank, gloo: barriers that CPU-only ranks join too
 
     @property
     def is_inference(self) -> bool:
@@ -56,83 +56,103 @@ class World:
         return self.rank == self.trainer_ranks[0]
 
 
-def _pick_device(cfg: Config, local_rank: int) -> torch.device:
-    want = cfg.job.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"job.device = 'cuda' but CUDA is not available on this machine ({cfg.source})")
-    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+def rank_layout(world_size: int, n_inference: int) -> tuple[list[int], list[int]]:
+    """(trainer ranks, inference ranks): trainers take the low ranks (some torch state-dict helpers keep results on
+    global rank 0 only), engines the highest `n_inference`."""
+    return list(range(world_size - n_inference)), list(range(world_size - n_inference, world_size))
 
 
 def job_backend(cfg: Config) -> str:
-    """The collective backend, one decision for the whole job (from the machine, not the rank's role): a CPU-only
-    inference rank on a GPU node must pick the same backend as the trainers, or the ranks create different groups
-    (only NCCL jobs add the gloo control group) and hang."""
+    """The backend of the trainers' collectives, one decision for the whole job (from the machine, not the rank's
+    role): every rank must build the same groups. Asked of NVML, so that no rank initialises CUDA here."""
     if cfg.world.backend != "auto":
         return cfg.world.backend
-    return "nccl" if cfg.job.device != "cpu" and torch.cuda.is_available() else "gloo"
+    return "nccl" if cfg.job.device != "cpu" and gpu_count() > 0 else "gloo"
 
 
-def _engine_in_own_processes(cfg: Config, rank: int, world_size: int) -> bool:
-    """An inference rank whose engine runs in processes of its own (vLLM): the rank's process stays on CPU, the
-    engine's processes take the accelerators."""
+def uses_cuda(cfg: Config, backend: str, is_inference: bool) -> bool:
+    """Whether this rank's own process computes on a GPU. Trainers do in an NCCL job. An inference rank does only
+    when its engine runs in this process (the reference engine) and `inference.device` lets it; a vLLM rank stays
+    on CPU (its engine's processes take the GPUs) and must never initialise CUDA before vLLM starts them."""
+    if backend != "nccl":
+        return False
+    if not is_inference:
+        return True
+    if cfg.job.stage != "rl":
+        return False  # an inference rank of the warm-start stage only waits
     from pipelinerl_fsdp.inference.factory import engine_kind
 
-    is_inference = rank >= world_size - cfg.world.inference_ranks
-    return cfg.job.stage == "rl" and is_inference and engine_kind(cfg).own_processes
+    return not engine_kind(cfg).own_processes and cfg.inference.device == "auto"
+
+
+def group_backends(backend: str, inference_on_cuda: bool) -> dict[str, str]:
+    """Backend of each process group. The default group (every rank) is gloo, so CPU-only ranks can join it: with
+    NCCL there, or a `device_id` on it, torch creates the NCCL communicator eagerly over all ranks at start-up and
+    CPU-only ranks never join (a certain hang). Trainer collectives use NCCL on GPU, with gloo beside it for the CPU
+    tensors of the sample scatter. The weight group carries the buckets only for in-process engines: NCCL when
+    those are on GPU, else gloo (with vLLM it carries only the update headers). Rollouts are CPU data: gloo."""
+    both = "cpu:gloo,cuda:nccl"
+    return {
+        "default": "gloo",
+        "trainer": both if backend == "nccl" else "gloo",
+        "weight": both if inference_on_cuda else "gloo",
+        "rollout": "gloo",
+    }
 
 
 def init_world(cfg: Config) -> World:
-    """Join the torchrun job (or run as a single process without torchrun) and build the trainer group."""
+    """Join the torchrun job (or run as a single process without torchrun) and build the process groups."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    from pipelinerl_fsdp.inference.factory import engine_kind
-
-    engines_own_processes = cfg.job.stage == "rl" and engine_kind(cfg).own_processes
-    cpu_only = _engine_in_own_processes(cfg, rank, world_size)
-    device = torch.device("cpu") if cpu_only else _pick_device(cfg, local_rank)
-    threads = cfg.job.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size)
-    torch.set_num_threads(threads)
-    backend = job_backend(cfg)
-    if backend == "nccl" and device.type != "cuda" and not cpu_only:
-        raise ConfigError(f"world.backend = 'nccl' needs CUDA devices; this rank runs on {device} ({cfg.source})")
-    if "MASTER_ADDR" not in os.environ:  # plain `python run_train.py`: a world of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
-        os.environ.update(RANK="0", WORLD_SIZE="1")
-    if not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=cfg.world.timeout_s)
-        # nccl for the trainers' collectives, gloo for CPU-only ranks (vLLM inference ranks, the rollout group)
-        dist.init_process_group(
-            "cpu:gloo,cuda:nccl" if backend == "nccl" else backend,
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-            store=_attempt_store(rank, world_size, timeout),
-        )
     n_inf = cfg.world.inference_ranks
     if n_inf >= world_size:
         raise ConfigError(
             f"world.inference_ranks = {n_inf} leaves no trainer rank: the job has {world_size} "
             f"rank(s) in all ({cfg.source})"
         )
-    # Trainers take the low ranks: some torch state-dict helpers keep results on global rank 0 only.
-    trainer_ranks = list(range(world_size - n_inf))
-    inference_ranks = list(range(world_size - n_inf, world_size))
-    # Every rank creates every group, in the same order, even those it is not part of.
-    trainer_group = dist.new_group(trainer_ranks)
-    control_group = dist.new_group(list(range(world_size)), backend="gloo") if backend == "nccl" else None
+    trainer_ranks, inference_ranks = rank_layout(world_size, n_inf)
+    backend = job_backend(cfg)
+    if backend == "nccl" and cfg.job.device == "cpu":
+        raise ConfigError(f"world.backend = 'nccl' needs CUDA devices, but job.device = 'cpu' ({cfg.source})")
+    if backend != "nccl" and cfg.job.device == "cuda":
+        why = "world.backend = 'gloo'" if cfg.world.backend == "gloo" else "no GPU is visible on this node"
+        raise ConfigError(f"job.device = 'cuda' but {why} ({cfg.source})")
+    on_cuda = uses_cuda(cfg, backend, rank in inference_ranks)
+    inference_on_cuda = uses_cuda(cfg, backend, True)
+    device = _cuda_device(cfg, local_rank) if on_cuda else torch.device("cpu")
+    threads = cfg.job.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size)
+    torch.set_num_threads(threads)
+    if "MASTER_ADDR" not in os.environ:  # plain `python run_train.py`: a world of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
+        os.environ.update(RANK="0", WORLD_SIZE="1")
+    backends = group_backends(backend, inference_on_cuda)
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=cfg.world.timeout_s)
+        # no device_id: it would make torch connect NCCL eagerly over every rank, CPU-only ones included
+        dist.init_process_group(
+            backends["default"],
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            store=_attempt_store(rank, world_size, timeout),
+        )
+    # Every rank creates every group, in the same order, even those it is not part of (non-members get no
+    # backend object, so a CPU-only rank never constructs an NCCL one). A member's device_id connects NCCL now,
+    # among the trainers only: a trainer that cannot reach the others fails here, named, not at its first step.
+    trainer_group = dist.new_group(
+        trainer_ranks,
+        backend=backends["trainer"],
+        device_id=device if rank in trainer_ranks and on_cuda else None,
+        # NCCL's own default is 10 minutes whatever world.timeout_s says (gloo groups keep torch's default)
+        timeout=datetime.timedelta(seconds=cfg.world.timeout_s) if backend == "nccl" else None,
+    )
     weight_group = rollout_group = None
     if inference_ranks:
         members = [trainer_ranks[0], *inference_ranks]
-        # engines in their own processes: only the update headers travel here (the buckets go straight to the
-        # engine's workers), and the inference rank is CPU-only: gloo
-        weight_group = dist.new_group(members, backend="gloo" if engines_own_processes else None)
-        rollout_group = dist.new_group(members, backend="gloo")  # rollouts are CPU data, even with NCCL
+        weight_group = dist.new_group(members, backend=backends["weight"])
+        rollout_group = dist.new_group(members, backend=backends["rollout"])
     mesh = None
     if rank in trainer_ranks:
         mesh = DeviceMesh.from_group(trainer_group, device.type, mesh_dim_names=("dp",))
@@ -149,8 +169,20 @@ def init_world(cfg: Config) -> World:
         mesh,
         weight_group,
         rollout_group,
-        control_group,
     )
+
+
+def _cuda_device(cfg: Config, local_rank: int) -> torch.device:
+    """This rank's GPU (the one of its local rank); only ranks that compute on a GPU get here."""
+    if not torch.cuda.is_available():
+        raise ConfigError(f"job.device = {cfg.job.device!r} but CUDA is not available on this machine ({cfg.source})")
+    if local_rank >= torch.cuda.device_count():
+        raise ConfigError(
+            f"local rank {local_rank} needs a GPU of its own, but this node has {torch.cuda.device_count()} "
+            f"(run one process per GPU: torchrun --nproc-per-node) ({cfg.source})"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:

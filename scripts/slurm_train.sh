@@ -5,11 +5,16 @@
 # the restarts after a failure, each resuming from the newest intact checkpoint. The repository (and the
 # output folder) must be on a shared file system and its .venv set up once beforehand (bash scripts/setup_env.sh
 # test,gpu).
+# Network: gloo carries the default group, rollouts and update headers, NCCL the trainers' collectives and the weight
+# buckets; both pick an interface by themselves, which fails where the first one is not the one the nodes share
+# (docker bridges, hostnames that resolve to loopback). Set IFNAME (e.g. ib0, eth0) to set NCCL_SOCKET_IFNAME and
+# GLOO_SOCKET_IFNAME together, or set those two yourself. vLLM's processes never see torchrun's variables.
 #SBATCH --job-name=pipelinerl
 #SBATCH --ntasks-per-node=1
 #SBATCH --output=slurm-%j.out
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+if [ -n "${IFNAME:-}" ]; then export NCCL_SOCKET_IFNAME="$IFNAME" GLOO_SOCKET_IFNAME="$IFNAME"; fi
 # sed reads the whole list: `head -n 1` would close the pipe early, and under pipefail scontrol's SIGPIPE ends the script
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 export NNODES="$SLURM_JOB_NUM_NODES" NPROC_PER_NODE="${GPUS_PER_NODE:-8}"

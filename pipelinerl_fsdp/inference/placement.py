@@ -16,6 +16,7 @@ import torch
 
 from pipelinerl_fsdp import cpu_binding
 from pipelinerl_fsdp.config import Config, ConfigError
+from pipelinerl_fsdp.gpus import gpu_count
 from pipelinerl_fsdp.world import World
 
 
@@ -43,11 +44,12 @@ def vllm_placement(cfg: Config, world: World) -> VLLMPlacement:
         tp = inf.tensor_parallel_size
         first = local_trainers + (world.local_rank - local_trainers) * tp
         ids = list(range(first, first + tp))
-        if ids[-1] >= torch.cuda.device_count():
+        n_gpus = gpu_count()  # NVML: this rank must not initialise CUDA before vLLM starts its processes
+        if ids[-1] >= n_gpus:
             raise ConfigError(
                 f"rank {world.rank}: its vLLM engine needs GPUs {ids} (inference.tensor_parallel_size "
                 f"= {tp}, after the node's {local_trainers} trainer GPU(s)), but the node has "
-                f"{torch.cuda.device_count()} ({cfg.source})"
+                f"{n_gpus} ({cfg.source})"
             )
         return VLLMPlacement(cpu_cores=None, gpu_ids=ids)
     cores = cpu_binding.node_cores()

@@ -24,6 +24,8 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request
 from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement
 from pipelinerl_fsdp.inference.vllm_load import resolve_weight_load
 from pipelinerl_fsdp.models import ModelArgs, Transformer, read_model_args
-from pipelinerl_fsdp.transport.store_group import store_address
+from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, store_address, store_prefix
 from pipelinerl_fsdp.transport.weights import WeightReceiver
 
 EXTENSION = "pipelinerl_fsdp.inference.vllm_extension.WeightUpdateExtension"
@@ -190,17 +192,12 @@ class VLLMEngine(Engine):
         max_num_batched_tokens: int = 0,
         weight_load: str = "reload",
     ) -> None:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         if not debug:
             # vLLM logs several INFO lines per weight update, warns on every reload and prints ~7 start-up
             # warnings about its own build choices (docs/vllm.md); its processes inherit this environment.
             quiet_vllm_logs()
-        if placement.gpu_ids is None:
-            if placement.cpu_cores:
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = placement.cpu_cores
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, placement.gpu_ids))
+        os.environ.update(engine_env(placement, os.environ))
         self.temperature, self.top_p, self.seed, self.ignore_eos = temperature, top_p, seed, ignore_eos
         self.stop_token_ids = list(stop_token_ids or [])
         self.weight_load = weight_load  # how the workers load updates (vllm_load.LOADS)
@@ -246,7 +243,8 @@ class VLLMEngine(Engine):
             kwargs["max_num_batched_tokens"] = budget
         # every call into vLLM below waits at most this long (and much less once the engine core is dead)
         self.timeout_s = start_timeout_s
-        self.llm = self._call(self._start(kwargs), "vLLM's start-up")
+        with without_torchrun_env():  # vLLM's processes are not ranks of our job
+            self.llm = self._call(self._start(kwargs), "vLLM's start-up")
         # vLLM's processes end with this one, even when it is killed without a chance to close them
         rank = int(os.environ.get("RANK", "-1"))
         self._call(self.llm.collective_rpc("watch_inference_rank", args=(os.getpid(), rank)), "the workers' watchdog")
@@ -331,7 +329,7 @@ class VLLMEngine(Engine):
         names_and_shapes: list[tuple[str, list[int]]],
         dtype: str,
         bucket_bytes: int,
-        group_name: str = "vllm_weights",
+        group_name: str = ENGINE_BUCKET_GROUP,
     ) -> None:
         """Have every worker of this engine join the bucket group (blocks until all members have joined)."""
         self._call(
@@ -349,6 +347,7 @@ class VLLMEngine(Engine):
                     bucket_bytes,
                     group_name,
                     self.weight_load,
+                    store_prefix(),  # the workers do not see torchrun's environment (without_torchrun_env)
                 ),
             ),
             "joining the weight-update group",
@@ -441,6 +440,54 @@ class VLLMEngine(Engine):
         self._call(self._shutdown(), "the engine's shutdown", timeout=60, check_alive=False)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+
+
+def engine_env(placement: VLLMPlacement, current: Mapping[str, str]) -> dict[str, str]:
+    """Environment variables set before vLLM starts its processes (they inherit this process's environment)."""
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the engine core in a process of its own (docs/vllm.md)
+    if placement.gpu_ids is None:
+        if placement.cpu_cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = placement.cpu_cores
+        return env
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, placement.gpu_ids))
+    # fresh interpreters for vLLM's processes: a child forked after CUDA was initialised cannot use it (this rank
+    # never initialises it, but a spawned child does not depend on that)
+    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    # the V1 model runner, whose per-request token counts (the version boundaries of an update) the CPU tests check
+    # against a reference; the extension also reads V2's (`VLLM_USE_V2_MODEL_RUNNER=1`), which no machine of ours
+    # has run (docs/vllm.md)
+    env["VLLM_USE_V2_MODEL_RUNNER"] = current.get("VLLM_USE_V2_MODEL_RUNNER", "0")
+    return env
+
+
+# What torchrun tells its workers. vLLM's engine core and workers inherit the environment of the process that
+# starts them, and vLLM reads some of these (its distributed set-up, the "external_launcher" executor); they
+# describe our job, not vLLM's world of one engine, so vLLM starts without them.
+TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+@contextmanager
+def without_torchrun_env() -> Iterator[None]:
+    """Hide torchrun's variables (`TORCHRUN_VARS`, `TORCHELASTIC_*`) from what starts inside the block."""
+    hidden = {k: v for k, v in os.environ.items() if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")}
+    for k in hidden:
+        del os.environ[k]
+    try:
+        yield
+    finally:
+        os.environ.update(hidden)
 
 
 def quiet_vllm_logs() -> None:

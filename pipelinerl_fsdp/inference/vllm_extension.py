@@ -19,7 +19,7 @@ import torch.distributed as dist
 from pipelinerl_fsdp.faults import maybe_fail
 from pipelinerl_fsdp.inference.vllm_load import LOADS, InPlaceLoader
 from pipelinerl_fsdp.processes import parent_of
-from pipelinerl_fsdp.transport.store_group import join_store_group
+from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group
 from pipelinerl_fsdp.transport.weights import BucketLayout, broadcast_bucket, in_decoder_layer, slot_sizes
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -46,6 +46,31 @@ def _watch_rank(rank_pid: int, core_pid: int, period_s: float) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def output_token_counts(runner: object) -> dict[str, int]:
+    """Output tokens sampled so far by every request the worker's model runner holds (vLLM's internal ids), read
+    between two engine steps. vLLM 0.32 has two GPU model runners with different private state: V1 (the only one
+    on CPU) keeps `requests[rid].output_token_ids` (-1 entries: async-scheduling placeholders, not tokens); V2 (the
+    default wherever Triton imports) keeps `req_states`: an index per request, the prompt length on the host and
+    the running total length (prompt + output) on the GPU, final once the step's kernels have run (`.cpu()`
+    waits for them)."""
+    requests = getattr(runner, "requests", None)
+    if requests is not None:
+        return {rid: sum(1 for t in state.output_token_ids if t >= 0) for rid, state in requests.items()}
+    states = getattr(runner, "req_states", None)
+    if states is not None:
+        rids = list(states.req_id_to_index)
+        if not rids:
+            return {}
+        idx = [states.req_id_to_index[r] for r in rids]
+        total = states.total_len.gpu[torch.tensor(idx, device=states.total_len.gpu.device)].cpu().tolist()
+        prompt = [int(states.prompt_len.np[i]) for i in idx]
+        return {r: int(t) - p for r, t, p in zip(rids, total, prompt)}
+    raise RuntimeError(
+        f"vLLM's model runner {type(runner).__name__} has neither `requests` (V1) nor `req_states` (V2): this "
+        "vLLM version keeps per-request state where the weight update cannot read its version boundaries"
+    )
+
+
 class WeightUpdateExtension:
     """Receives the trainer's weight broadcast straight into this worker and loads it into the running model."""
 
@@ -60,11 +85,13 @@ class WeightUpdateExtension:
         names_and_shapes: list[tuple[str, list[int]]],
         dtype: str,
         bucket_bytes: int,
-        group_name: str = "vllm_weights",
+        group_name: str = ENGINE_BUCKET_GROUP,
         load: str = "reload",
+        prefix: str | None = None,
     ) -> None:
         """Join the bucket group as `base_rank + this worker's tensor-parallel rank`; allocate receive buffers;
-        load updates the `load` way (`vllm_load.LOADS`)."""
+        load updates the `load` way (`vllm_load.LOADS`); `prefix`: the job attempt's store prefix."""
+        output_token_counts(self.model_runner)  # a runner whose state we cannot read fails here, at start-up
         self.set_weight_load(load)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._pl_layout = BucketLayout(
@@ -80,7 +107,7 @@ class WeightUpdateExtension:
         self._pl_device = device
         logging.getLogger(RELOAD_LOGGER).addFilter(_drop_rotary_reload_warning)
         rank = base_rank + int(getattr(self, "rank", 0))
-        self._pl_group = join_store_group(host, port, group_name, rank, size, backend, device, timeout_s)
+        self._pl_group = join_store_group(host, port, group_name, rank, size, backend, device, timeout_s, prefix)
 
     def set_weight_load(self, load: str) -> None:
         """How the next updates are loaded: one of `vllm_load.LOADS` (see that module)."""
@@ -155,10 +182,7 @@ class WeightUpdateExtension:
                 yield name, (view.clone() if own else view)
 
     def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
-        counts = {
-            rid: sum(1 for t in state.output_token_ids if t >= 0)  # -1: async-scheduling placeholder
-            for rid, state in self.model_runner.requests.items()
-        }
+        counts = output_token_counts(self.model_runner)
         t0 = time.perf_counter()
         self._pl_wait_s = 0.0  # the streamed iterator adds its waits as the load consumes it
         if self._pl_load == "reload":

@@ -64,7 +64,10 @@ class InferenceWorker:
             "gen_tokens": 0.0,
             "busy_s": 0.0,
             "elapsed_s": 0.0,
-            "update_pause_ms": 0.0,
+            # weight-update pauses: cumulative count and milliseconds, and the longest one since the last send
+            "updates": 0.0,
+            "pause_ms_sum": 0.0,
+            "pause_ms_max": 0.0,
             "skipped_prompts": 0.0,
             "seq_s": 0.0,
         }
@@ -74,6 +77,7 @@ class InferenceWorker:
         self.stopped = False
         self.mode = cfg.rl.mode
         self._staged: int | None = None  # async mode: version received but not loaded yet
+        self._pause_ms = 0.0  # the pause of the update being taken, so far (async: staged, then loaded)
         # conventional mode: groups this engine generates per round (the round's groups split over the engines)
         per_round = cfg.rl.sync_every * cfg.rl.batch_size // cfg.rl.attempts
         self._quota = per_round // n_inf + (world.inference_index < per_round % n_inf)
@@ -101,7 +105,7 @@ class InferenceWorker:
         t0 = time.perf_counter()  # the pause: from the header on (not the wait for it)
         self.engine.load_update(self.receiver, version, self.cfg.inference.recompute_kv_on_update)
         self.receiver.post()
-        self.stats["update_pause_ms"] = (time.perf_counter() - t0) * 1000
+        self._add_pause((time.perf_counter() - t0) * 1000, loaded=True)
         self._maybe_evaluate(version)
 
     def _stage_update(self) -> None:
@@ -114,7 +118,7 @@ class InferenceWorker:
         self.engine.stage_update(self.receiver)
         self.receiver.post()
         self._staged = version  # a newer update overwrites an older staged one: only the latest is loaded
-        self.stats["update_pause_ms"] = (time.perf_counter() - t0) * 1000
+        self._add_pause((time.perf_counter() - t0) * 1000, loaded=False)
 
     def _apply_staged(self) -> None:
         """Async mode, engine drained: load the staged update."""
@@ -122,8 +126,18 @@ class InferenceWorker:
         t0 = time.perf_counter()
         self.engine.apply_staged(self._staged)
         version, self._staged = self._staged, None
-        self.stats["update_pause_ms"] += (time.perf_counter() - t0) * 1000
+        self._add_pause((time.perf_counter() - t0) * 1000, loaded=True)
         self._maybe_evaluate(version)
+
+    def _add_pause(self, ms: float, loaded: bool) -> None:
+        """Count `ms` of generation paused for a weight update; `loaded`: the update is now in the engine (async
+        mode pauses to stage it, then to load it: one update, one pause, the sum of both)."""
+        self._pause_ms += ms
+        self.stats["pause_ms_sum"] += ms
+        if loaded:
+            self.stats["updates"] += 1
+            self.stats["pause_ms_max"] = max(self.stats["pause_ms_max"], self._pause_ms)
+            self._pause_ms = 0.0
 
     def _maybe_evaluate(self, version: int) -> None:
         """The engine now holds `version`: start its evaluation if one is due."""
@@ -222,6 +236,7 @@ class InferenceWorker:
         while not self.stopped:
             self._snapshot_stats()
             if self.sender.put(payload, self.stats, timeout=0.05):
+                self.stats["pause_ms_max"] = 0.0  # sent (the queue copied the counters): a new window starts
                 return
             self._service_update()
 

@@ -38,9 +38,9 @@ def policy_loss(
     reinforce: L = -(1/B) sum_t sg(min(rho_t, c)) * A * log pi(a_t), rho_t = pi(a_t) / mu(a_t).
     ppo:       L = -(1/B) sum_t min(rho_t A, clip(rho_t, 1-eps, 1+eps) A)  (mu as the old policy).
     kl:        + kl_coef * (1/B) sum_t [exp(r - l) - (r - l) - 1], l = log pi, r = log pi_ref.
-    Returns the loss and summed statistics (sum_w, sum_w2, tokens, kl, clipped) for ESS and logging. ESS uses
-    the weights the update applies to the data: the truncated ones for REINFORCE, the unclipped ratios for PPO
-    (whose clipping acts on the objective, not on the weights).
+    Returns the loss and summed statistics for ESS and logging: sum_rho, sum_rho2 of the raw importance weights
+    rho (the paper's ESS); sum_w, sum_w2 of the weights the update applies (the truncated rho_bar for REINFORCE,
+    the unclipped rho for PPO, whose clipping acts on the objective, not on the weights); tokens, kl, clipped.
     """
     log_ratio = (logp - behaviour_logp).clamp(max=30.0)  # exp() stays finite for wildly stale tokens
     rho = torch.exp(log_ratio)
@@ -64,8 +64,10 @@ def policy_loss(
         kl = torch.exp(d) - d - 1
         loss = loss + settings.kl_coef * (kl * mask).sum()
         kl_sum = float((kl.detach() * mask).sum())
-    w = weights * mask
+    w, raw = weights * mask, rho.detach() * mask
     stats = {
+        "sum_rho": float(raw.sum()),
+        "sum_rho2": float((raw * rho.detach()).sum()),
         "sum_w": float(w.sum()),
         "sum_w2": float((w * weights).sum()),
         "tokens": float(mask.sum()),

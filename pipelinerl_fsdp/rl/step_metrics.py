@@ -10,7 +10,7 @@ from pipelinerl_fsdp.rl.ess import ess_from_sums
 from pipelinerl_fsdp.transport.rollouts import Sample
 
 # Sums the loss reports per micro-batch, reduced over the trainer ranks (see rl.loss.policy_loss).
-LOSS_SUMS = ("sum_w", "sum_w2", "tokens", "entropy", "clipped", "kl")
+LOSS_SUMS = ("sum_rho", "sum_rho2", "sum_w", "sum_w2", "tokens", "entropy", "clipped", "kl")
 
 
 @dataclass
@@ -26,6 +26,19 @@ class EngineCounters:
     def total(cls, per_engine: dict[int, dict[str, float]]) -> EngineCounters:
         keys = ("gen_tokens", "busy_s", "elapsed_s", "seq_s")
         return cls(*(sum(st[k] for st in per_engine.values()) for k in keys))
+
+
+def update_pauses(
+    now: dict[int, dict[str, float]], before: tuple[float, float], maxima: dict[int, float]
+) -> tuple[dict[str, float], tuple[float, float]]:
+    """The weight-update pauses the engines reported during a step: mean (the step's share of the cumulative
+    `pause_ms_sum` / `updates` of every engine) and max (the longest each engine reported meanwhile); NaN when no
+    update was reported. Returns the metrics and the cumulative (sum, count) to pass as `before` next time."""
+    total = (sum(st["pause_ms_sum"] for st in now.values()), sum(st["updates"] for st in now.values()))
+    n = total[1] - before[1]
+    mean = (total[0] - before[0]) / n if n > 0 else float("nan")
+    longest = max(maxima.values()) if n > 0 and maxima else float("nan")
+    return {"update_pause_ms": mean, "update_pause_ms_max": longest}, total
 
 
 @dataclass
@@ -78,7 +91,9 @@ def step_metrics(
         **occupancy,
         **outcome_fractions(samples),
         "reward_mean": sum(s.reward for s in samples) / len(samples),
-        "ess": ess_from_sums(sums["sum_w"], sums["sum_w2"], sums["tokens"]),
+        # the paper's ESS, of the raw importance weights; and of the weights the loss applies (truncated at c)
+        "ess": ess_from_sums(sums["sum_rho"], sums["sum_rho2"], sums["tokens"]),
+        "ess_truncated": ess_from_sums(sums["sum_w"], sums["sum_w2"], sums["tokens"]),
         "lag_mean": sum(lags) / max(len(lags), 1),
         "lag_max": max(lags, default=0),
         "current_version_frac": sum(1 for x in lags if x == 0) / max(len(lags), 1),

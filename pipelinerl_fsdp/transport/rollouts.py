@@ -24,7 +24,16 @@ HEADER_TAG, INTS_TAG, FLOATS_TAG = 1, 2, 3
 DATA, DONE, EVAL = 1, 2, 3
 _HEADER_LEN = 4  # kind, n_samples, n_ints, n_floats
 # Cumulative engine counters sent with every message (first floats of the payload), for throughput metrics.
-ENGINE_STATS = ("gen_tokens", "busy_s", "elapsed_s", "update_pause_ms", "skipped_prompts", "seq_s")
+ENGINE_STATS = (
+    "gen_tokens",
+    "busy_s",
+    "elapsed_s",
+    "updates",
+    "pause_ms_sum",
+    "pause_ms_max",
+    "skipped_prompts",
+    "seq_s",
+)
 
 
 @dataclass

@@ -19,12 +19,15 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from pipelinerl_fsdp import stopping
+from pipelinerl_fsdp.transport.device_waits import Stopwatch, wait_on_host
+from pipelinerl_fsdp.transport.store_group import StoreGroup
 
 UPDATE, STOP = 1, 2
 # send buffers per sender (and receive buffers per vLLM worker): one bucket in flight while the next is gathered
@@ -95,13 +98,13 @@ class BucketLayout:
 
 
 def broadcast_bucket(
-    flat: torch.Tensor, group: dist.ProcessGroup | None, src: int, raw: bool, wait: bool = True
-) -> dist.Work | None:
-    """Broadcast one bucket; `raw`: `group` is a store-built group outside the default world (source = its rank 0).
-    With `wait=False` returns the pending work (the buffer must not change until it completes)."""
+    flat: torch.Tensor, group: dist.ProcessGroup | StoreGroup | None, src: int, raw: bool, wait: bool = True
+) -> Any:
+    """Broadcast one bucket; `raw`: `group` is a `store_group.StoreGroup` outside the default world (source = its
+    rank 0). With `wait=False` returns the pending work (the buffer must not change until it completes)."""
     if raw:
         assert group is not None
-        work = group.broadcast([flat], dist.BroadcastOptions())  # default root rank 0
+        work = group.broadcast(flat)
     else:
         work = dist.broadcast(flat, src, group=group, async_op=True)
     if wait:
@@ -131,8 +134,9 @@ class _Pending:
     t_gather: float
     t_gather_first: float
     t_header: float
-    works: list[dist.Work]
-    ends: list[float] = field(default_factory=list)  # perf_counter() at each work's completion
+    works: list[Any]  # dist.Work, or a store group's work
+    ends: list[float] = field(default_factory=list)  # perf_counter() at each work's completion (CPU)
+    gathers: Stopwatch | None = None
 
 
 class WeightSender:
@@ -147,11 +151,14 @@ class WeightSender:
         dtype: torch.dtype,
         device: torch.device,
         bucket_bytes: int = 64 * 1024**2,
-        bucket_group: dist.ProcessGroup | None = None,
+        bucket_group: StoreGroup | None = None,
+        timeout_s: float = 600,
     ) -> None:
         """`device`: where the broadcast buffers live (CPU for gloo, the rank's GPU for NCCL).
-        `bucket_group`: a store-built group for the buckets (vLLM workers); None: the buckets follow the header."""
+        `bucket_group`: a store-built group for the buckets (vLLM workers); None: the buckets follow the header.
+        `timeout_s`: how long a push may take to complete before the job fails, naming it."""
         self.params = list(model.named_parameters())
+        self.timeout_s = timeout_s
         self.group, self.src, self.is_src, self.dtype, self.device = group, src, is_src, dtype, device
         self.bucket_group = bucket_group
         sizes = [(n, p.numel()) for n, p in self.params]
@@ -171,7 +178,8 @@ class WeightSender:
 
     def _header(self, kind: int, version: int) -> None:
         if self.is_src:
-            header = torch.tensor([kind, version, len(self.buckets)], dtype=torch.long, device=self.device)
+            # on CPU whatever the buckets' device: the weight group's gloo part carries it, which engines poll
+            header = torch.tensor([kind, version, len(self.buckets)], dtype=torch.long)
             dist.broadcast(header, self.src, group=self.group)
 
     @torch.no_grad()
@@ -188,6 +196,7 @@ class WeightSender:
         the other trainer ranks, and returns None: the engines are gone or going."""
         self.finish()  # the previous push's buffers are reused below
         nbytes, t_gather, t_gather_first = 0, 0.0, 0.0
+        gathers = Stopwatch(self.params[0][1].device if self.params else self.device)
         t_header = time.perf_counter()
         works: list[dist.Work | None] = [None] * len(self._flat)
         group, raw = (self.bucket_group, True) if self.bucket_group is not None else (self.group, False)
@@ -208,11 +217,12 @@ class WeightSender:
                 flat = self._flat[slot][: self.sizes[b]] if sending else None
                 t0 = time.perf_counter()
                 off = 0
-                for i in bucket:
-                    p = self.params[i][1]
-                    out = flat[off : off + p.numel()].view(p.shape) if flat is not None else None
-                    self._gather_into(p, out)
-                    off += p.numel()
+                with gathers:
+                    for i in bucket:
+                        p = self.params[i][1]
+                        out = flat[off : off + p.numel()].view(p.shape) if flat is not None else None
+                        self._gather_into(p, out)
+                        off += p.numel()
             t_gather += time.perf_counter() - t0
             if b == 0:
                 t_gather_first, t_header = t_gather, time.perf_counter()  # the engines' pause starts here
@@ -235,8 +245,10 @@ class WeightSender:
         if self.is_src and not sending:
             return None
         pending = _Pending(version, nbytes, t_gather, t_gather_first, t_header, [w for w in works + direct if w])
-        for w in pending.works:  # when each transfer ends, even while the trainer is busy elsewhere
-            w.get_future().add_done_callback(lambda _: pending.ends.append(time.perf_counter()))
+        pending.gathers = gathers
+        if self.device.type == "cpu":  # when each transfer ends, even while the trainer is busy elsewhere
+            for w in pending.works:
+                w.get_future().add_done_callback(lambda _: pending.ends.append(time.perf_counter()))
         self._pending = pending
         return self.finish() if wait else None
 
@@ -249,15 +261,18 @@ class WeightSender:
             return None
         try:
             for w in p.works:
-                w.wait()
+                wait_on_host(w, self.device, f"the weight push of version {p.version}", self.timeout_s)
         except RuntimeError:
             if stopping.explains_failure():
                 return None
             raise
-        # broadcast time: from the header to the last bucket's arrival, less the gathers done meanwhile
+        # broadcast time: from the header to the last bucket's arrival, less the gathers done meanwhile. On GPU
+        # the transfers are only known complete when the host sees them so (here), and the gathers' time comes
+        # from CUDA events: a host clock around an NCCL call times its launch.
         t_end = max(p.ends) if p.ends and len(p.ends) == len(p.works) else time.perf_counter()
+        t_gather = p.gathers.seconds() if p.gathers is not None and p.gathers.on_device else p.t_gather
         t_bcast = t_end - p.t_header - (p.t_gather - p.t_gather_first)
-        return PushStats(p.version, p.nbytes, p.t_gather, max(t_bcast, 0.0))
+        return PushStats(p.version, p.nbytes, t_gather, max(t_bcast, 0.0))
 
     def _as_is(self, bucket: list[int]) -> torch.Tensor | None:
         """A bucket of one parameter that this rank holds whole, contiguous and in the engine dtype (a 1-rank
@@ -282,7 +297,7 @@ class WeightSender:
         (a `full_tensor()` and then a copy into the send buffer cost a second pass over the model, which on CPU
         showed up in the engines' pause: benchmarks/weight_sync.py). Other layouts go through `full_tensor()`."""
         if out is None:
-            out = torch.empty(p.shape, dtype=self.dtype, device=self.device)
+            out = torch.empty(p.shape, dtype=self.dtype, device=p.device)
         if isinstance(p, DTensor):
             mesh, local = p.device_mesh, p.to_local()
             even = (
@@ -293,8 +308,12 @@ class WeightSender:
             )
             if mesh.size() == 1:
                 out.copy_(local.detach().view(p.shape))  # gloo's all-gather copies ~10x slower than a memcpy
-            elif even:
+            elif even and out.device == local.device:
                 dist.all_gather_into_tensor(out, local.detach().to(self.dtype).contiguous(), group=mesh.get_group())
+            elif even:  # GPU shards, CPU buffer (engines on CPU beside GPU trainers): gather there, then copy
+                full = torch.empty(p.shape, dtype=self.dtype, device=local.device)
+                dist.all_gather_into_tensor(full, local.detach().to(self.dtype).contiguous(), group=mesh.get_group())
+                out.copy_(full)
             else:
                 out.copy_(p.detach().to(self.dtype).full_tensor())
         else:
@@ -321,11 +340,15 @@ class WeightReceiver:
         dtype: torch.dtype,
         device: torch.device,
         bucket_bytes: int = 64 * 1024**2,
+        timeout_s: float = 600,
     ) -> None:
+        """`device`: where the buckets land (the engine's device); `timeout_s`: how long an update's buckets may
+        take once its header has arrived."""
         self.layout = BucketLayout(names_and_shapes, dtype, bucket_bytes)
         self.group, self.src, self.dtype, self.device = group, src, dtype, device
+        self.timeout_s = timeout_s
         self._buf: torch.Tensor | None = None  # scratch bucket for `receive(load)`, made on first use
-        self._header = torch.zeros(3, dtype=torch.long, device=device)
+        self._header = torch.zeros(3, dtype=torch.long)  # CPU: the weight group's gloo part, polled between steps
         self._work: dist.Work | None = None
         self._bound: list[torch.Tensor] = []
         self.post()
@@ -390,8 +413,7 @@ class WeightReceiver:
             # every bucket has its own place: post them all, so no bucket waits for the previous one's wake-up
             works = [broadcast_bucket(buf, self.group, self.src, raw=False, wait=False) for buf in self._bound]
             for w in works:
-                assert w is not None
-                w.wait()
+                wait_on_host(w, self.device, "an update's weight buckets", self.timeout_s)
             return
         for b, size in enumerate(self.layout.sizes):
             if self._bound and not staged:
@@ -400,6 +422,7 @@ class WeightReceiver:
                 if self._buf is None:
                     self._buf = torch.empty(max(self.layout.sizes), dtype=self.dtype, device=self.device)
                 buf = self._buf[:size]
-            broadcast_bucket(buf, self.group, self.src, raw=False)
+            work = broadcast_bucket(buf, self.group, self.src, raw=False, wait=False)
+            wait_on_host(work, self.device, "an update's weight buckets", self.timeout_s)
             if load is not None:
                 load(self.layout.views(b, buf))

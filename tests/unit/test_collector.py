@@ -27,7 +27,7 @@ class FakeSource:
     def get(self, timeout: float):
         if self.groups:
             g = self.groups.pop(0)
-            return 1, g, {"gen_tokens": 1.0, "busy_s": 1.0, "elapsed_s": 1.0, "update_pause_ms": 0.0}
+            return 1, g, {"gen_tokens": 1.0, "busy_s": 1.0, "elapsed_s": 1.0, "pause_ms_max": 0.0}
         return None
 
     def qsize(self) -> int:

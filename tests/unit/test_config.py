@@ -114,6 +114,14 @@ def test_file_errors_name_the_key(tmp_path, text, pattern):
             ["--rl.mode=conventional", "--rl.sync_every=4", "--checkpoint.interval=6"],
             r"checkpoint\.interval = 6 must be a multiple of rl\.sync_every = 4",
         ),
+        (
+            ["--rl.mode=conventional", "--rl.sync_every=4", "--eval.every=6", "--rl.max_steps=8"],
+            r"eval\.every = 6 and rl\.max_steps = 8 must be multiples of it",
+        ),
+        (
+            ["--rl.mode=conventional", "--rl.sync_every=4", "--eval.every=4", "--rl.max_steps=10"],
+            r"loads only every rl\.sync_every = 4-th version",
+        ),
         (["--inference.engine=sglang"], r"inference\.engine"),
         (["--checkpoint.export_every=-2"], r"checkpoint\.export_every = -2 must be >= 0"),
         (["--inference.gpu_memory_utilization=1.5"], r"inference\.gpu_memory_utilization = 1\.5 must be in \(0, 1\]"),
@@ -130,10 +138,10 @@ def test_command_line_errors_name_the_key(args, pattern):
 
 
 def test_world_checks():
-    cfg = load_config(["--warmstart.batch_size=6"])
+    cfg = load_config(["--job.stage=warmstart", "--warmstart.batch_size=6"])
     validate_world(cfg, 3)
     with pytest.raises(ConfigError, match=r"world\.inference_ranks = 2 leaves no trainer rank: .* 2 rank"):
-        validate_world(load_config(["--world.inference_ranks=2"]), 2)
+        validate_world(load_config(["--job.stage=warmstart", "--world.inference_ranks=2"]), 2)
     with pytest.raises(ConfigError, match=r"job\.stage = 'rl' needs world\.inference_ranks >= 1"):
         validate_world(load_config(["--job.stage=rl"]), 2)
     with pytest.raises(ConfigError, match=r"warmstart\.batch_size = 6 must be a multiple .* \(4\)"):

@@ -28,7 +28,6 @@ def world(rank: int, local_rank: int, local_size: int, n_trainers: int, n_inf: i
         None,
         None,
         None,
-        None,
     )
 
 
@@ -101,7 +100,7 @@ def test_cpu_tensor_parallel_splits_the_slice():
 def test_gpu_node_engines_take_the_gpus_after_the_trainers():
     # an 8-GPU node: 4 trainer ranks, 2 engines with tensor parallelism 2
     cfg = load_config(["--world.inference_ranks=2", "--inference.tensor_parallel_size=2"])
-    with mock.patch("torch.cuda.device_count", return_value=8):
+    with mock.patch("pipelinerl_fsdp.inference.placement.gpu_count", return_value=8):
         ids = [vllm_placement(cfg, world(r, r, 6, 4, 2, "nccl")).gpu_ids for r in (4, 5)]
     assert ids == [[4, 5], [6, 7]]
 
@@ -109,7 +108,7 @@ def test_gpu_node_engines_take_the_gpus_after_the_trainers():
 def test_gpu_node_too_small_is_a_named_error():
     cfg = load_config(["--world.inference_ranks=2", "--inference.tensor_parallel_size=4"])
     with (
-        mock.patch("torch.cuda.device_count", return_value=8),
+        mock.patch("pipelinerl_fsdp.inference.placement.gpu_count", return_value=8),
         pytest.raises(ConfigError, match=r"rank 5: its vLLM engine needs GPUs \[8, 9, 10, 11\]"),
     ):
         vllm_placement(cfg, world(5, 5, 6, 4, 2, "nccl"))
@@ -125,9 +124,9 @@ def test_engine_dtype_follows_the_device():
 def test_every_rank_of_a_gpu_job_picks_the_same_backend():
     # vLLM inference ranks stay on CPU; they must still choose NCCL like the trainers, or the group order differs
     cfg = load_config(["--job.stage=rl", "--world.inference_ranks=1"])
-    with mock.patch("torch.cuda.is_available", return_value=True):
+    with mock.patch("pipelinerl_fsdp.world.gpu_count", return_value=8):
         assert job_backend(cfg) == "nccl"
         assert job_backend(load_config(["--job.device=cpu"])) == "gloo"
         assert job_backend(load_config(["--world.backend=gloo"])) == "gloo"
-    with mock.patch("torch.cuda.is_available", return_value=False):
+    with mock.patch("pipelinerl_fsdp.world.gpu_count", return_value=0):
         assert job_backend(cfg) == "gloo"

@@ -35,8 +35,21 @@ def test_mixed_nodes_and_tensor_parallel_engines_are_placed_or_refused():
     cfg.inference.tensor_parallel_size = 2
     _, problems = make_plan(cfg)
     assert problems and "node(s) 1 need 7 GPUs and have 4" in problems[0]
+    assert "the launch scripts start the same number of processes (4) on every node" in problems[0]
     with pytest.raises(ConfigError, match="world.inference_ranks = 8 must be in"):
         layout(load_config([*base, "--plan.gpus_per_node=4", "--world.inference_ranks=8"]))
+
+
+def test_async_mode_counts_its_staged_update_and_refuses_what_does_not_fit():
+    # a whole update kept per engine worker (7B in bf16: 15.2 GB) beside vLLM's budget
+    text, problems = make_plan(load_config(MATH_7B))
+    assert problems == [] and "| weight sync: a whole staged update (rl.mode = 'async') | 0.00 |" in text
+    text, problems = make_plan(load_config([*MATH_7B, "--rl.mode=async"]))
+    staged = flavour_args("qwen2.5-7b").num_params() * 2 / GIB
+    assert f"| weight sync: a whole staged update (rl.mode = 'async') | {staged:.2f} |" in text
+    assert any("an engine GPU needs" in p and "staged update" in p for p in problems), text
+    _, problems = make_plan(load_config([*MATH_7B, "--rl.mode=async", "--inference.gpu_memory_utilization=0.6"]))
+    assert problems == []
 
 
 def test_memory_items_follow_their_settings():

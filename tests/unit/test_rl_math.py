@@ -125,3 +125,22 @@ def test_the_micro_batch_loss_reads_the_packed_fields_and_sums_entropy_over_coun
     mb["ref_logp"] = logp.detach() - 1.0
     kl_loss, kl_stats = micro_batch_loss(logp, ent, mb, 2, LossSettings(kl_coef=0.5))
     assert kl_stats["kl"] > 0 and kl_loss.item() > loss.item()  # the reference model's log-probs are used
+
+
+def test_ess_of_raw_and_of_truncated_weights_part_ways_on_stale_data():
+    # log-ratios ~ N(0, 1): the raw weights' ESS is exp(-sigma^2) = 0.368; truncating at c = 5 cuts the tail the
+    # raw ESS sees, so the loss's weights look more on-policy than the data are: 0.552 (from the normal CDF:
+    # E[min(rho, 5)] = e^0.5 Phi(ln5 - 1) + 5 (1 - Phi(ln5)), E[min(rho, 5)^2] = e^2 Phi(ln5 - 2) + 25 (1 - Phi(ln5)))
+    g = torch.Generator().manual_seed(0)
+    log_ratio = torch.randn(200_000, generator=g)
+    mu = torch.zeros_like(log_ratio)
+    ones = torch.ones_like(log_ratio)
+    _, s = policy_loss(log_ratio, mu, ones, ones, 1, LossSettings(kind="reinforce", is_clip=5.0))
+    raw = ess_from_sums(s["sum_rho"], s["sum_rho2"], s["tokens"])
+    truncated = ess_from_sums(s["sum_w"], s["sum_w2"], s["tokens"])
+    assert raw == pytest.approx(math.exp(-1), abs=0.03)
+    assert truncated == pytest.approx(0.552, abs=0.03)
+    # on-policy they coincide
+    _, s = policy_loss(mu, mu, ones, ones, 1, LossSettings(kind="reinforce", is_clip=5.0))
+    assert ess_from_sums(s["sum_rho"], s["sum_rho2"], s["tokens"]) == pytest.approx(1.0)
+    assert ess_from_sums(s["sum_w"], s["sum_w2"], s["tokens"]) == pytest.approx(1.0)

@@ -9,6 +9,7 @@ from pipelinerl_fsdp.rl.step_metrics import (
     StepTimes,
     step_metrics,
     token_lags,
+    update_pauses,
     zero_advantage_group_frac,
 )
 from pipelinerl_fsdp.transport.rollouts import Sample
@@ -18,7 +19,16 @@ def s(versions: list[int], reward: float, finished: bool = True) -> Sample:
     return Sample(0, [1, 2, 3], [5] * len(versions), [-1.0] * len(versions), versions, reward, 0.0, finished)
 
 
-SUMS = {"sum_w": 4.0, "sum_w2": 4.0, "tokens": 4.0, "entropy": 2.0, "clipped": 1.0, "kl": 0.4}
+SUMS = {
+    "sum_rho": 4.0,
+    "sum_rho2": 4.0,
+    "sum_w": 4.0,
+    "sum_w2": 4.0,
+    "tokens": 4.0,
+    "entropy": 2.0,
+    "clipped": 1.0,
+    "kl": 0.4,
+}
 
 
 def test_lags_and_version_fractions():
@@ -29,6 +39,15 @@ def test_lags_and_version_fractions():
     assert m["mixed_version_frac"] == 0.5  # one sequence has tokens of versions 3 and 4
     assert m["reward_mean"] == 0.5 and m["truncated_frac"] == 0.5
     assert m["ess"] == 1.0 and m["is_clipped_frac"] == 0.25 and m["entropy"] == 0.5 and m["kl"] == pytest.approx(0.1)
+
+
+def test_ess_is_of_the_raw_weights_and_ess_truncated_of_the_applied_ones():
+    # raw weights (2, 0, 1, 1): (4)^2 / 6 / 4 = 0.667; applied (truncated) weights (1, 1, 1, 1): 1
+    sums = dict(SUMS, sum_rho=4.0, sum_rho2=6.0, sum_w=4.0, sum_w2=4.0)
+    m = step_metrics(
+        [s([4, 4], 1.0), s([4, 4], 0.0)], 4, sums, EngineCounters(), EngineCounters(), StepTimes(0, 1, 2, 0)
+    )
+    assert m["ess"] == pytest.approx(2 / 3) and m["ess_truncated"] == 1.0
 
 
 def test_in_sync_data_has_zero_lag():
@@ -89,3 +108,13 @@ def test_occupancy_is_the_mean_batch_while_busy_over_the_slots():
     assert "inference_occupancy" not in step_metrics([s([0], 1.0)], 0, SUMS, now, before, StepTimes(0, 1, 2, 0))
     idle = step_metrics([s([0], 1.0)], 0, SUMS, before, before, StepTimes(0, 1, 2, 0), engine_slots=64)
     assert "inference_occupancy" not in idle
+
+
+def test_update_pauses_are_the_steps_mean_and_max_not_the_last():
+    # engine 0 took 3 updates so far (60 ms), engine 1 two (100 ms); at the last record: 1 update of 10 ms
+    now = {0: {"pause_ms_sum": 60.0, "updates": 3.0}, 1: {"pause_ms_sum": 100.0, "updates": 2.0}}
+    m, total = update_pauses(now, (10.0, 1.0), {0: 30.0, 1: 70.0})
+    assert m["update_pause_ms"] == pytest.approx(150 / 4) and m["update_pause_ms_max"] == 70.0
+    assert total == (160.0, 5.0)
+    m, _ = update_pauses(now, total, {})  # nothing new this step
+    assert m["update_pause_ms"] != m["update_pause_ms"] and m["update_pause_ms_max"] != m["update_pause_ms_max"]

@@ -1,0 +1,36 @@
+"""How many GPUs a node has, asked without initialising CUDA in this process.
+
+A CUDA call in a process (even `torch.cuda.is_available()`, which calls `cudaGetDeviceCount` and so `cuInit`)
+initialises the driver; a process forked after that cannot use CUDA. An inference rank starts vLLM, whose engine
+core and workers take the GPUs, so that rank must never initialise CUDA itself; yet every rank must agree on the
+job's backend, which depends on whether the node has GPUs. NVML (the library behind `nvidia-smi`) answers the count
+without touching the CUDA runtime; where NVML cannot answer, a child process asks CUDA and exits.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+
+import torch
+
+_CHILD = "import torch; print(torch.cuda.device_count())"
+
+
+def _count_in_child() -> int:
+    """CUDA's own count, from a short-lived child process (this one stays uninitialised)."""
+    out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"counting GPUs in a child process failed: {out.stderr.strip()[-500:]}")
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+@functools.cache
+def gpu_count() -> int:
+    """GPUs visible to this process (CUDA_VISIBLE_DEVICES applies), never initialising CUDA here: 0 on a CPU build
+    of torch, NVML's count where NVML answers, else CUDA's count from a child process."""
+    if not torch.cuda._is_compiled():
+        return 0
+    n = torch.cuda._device_count_nvml()
+    return n if n >= 0 else _count_in_child()

@@ -1,0 +1,195 @@
+"""The GPU check for the machine we are lent: one CUDA GPU, its own Python image (no vLLM, torchdata travelling as
+a wheel, no network), one call of at most 8 minutes. It runs what no CPU test can show and writes one table
+(`gpu_check.md`) and one JSON (`gpu_check.json`); each part's log lies beside them.
+
+    bash scripts/gpu_check.sh [OUT]           # on the GPU machine (see scripts/gpu_check.sh)
+    bash scripts/gpu_check.sh --cpu [OUT]     # the rehearsal on a CPU machine: the same parts, small shapes
+
+Parts:
+  startup_landed  the process-group calls of the code before the fix, on a trainer rank on CUDA and a CPU-only
+                  inference rank (a vLLM rank's own process): expected to hang until its time limit on a GPU
+  startup_fixed   the job's `init_world` in the same layout, then one exchange on every group: must finish
+  job             the real job, 2 ranks: the FSDP2 trainer on CUDA, the reference engine on a CPU-only rank
+                  (the layout of the first part): warm start, in-flight updates, versions, lag, ESS, pause
+  ess_fp32_head   the colocated loop (one process, the engine on the GPU in bf16): ESS at lag 0 with the
+  ess_bf16_head   trainer's head in fp32 and in bf16 (what `trainer.fp32_head` buys)
+  step / step_ac  the bf16 FSDP2 trainer step on the Qwen2.5-0.5B shape, without and with activation
+                  checkpointing: tokens/s, MFU, peak memory next to the plan's prediction, the SDPA kernel
+  vllm_*          only where CUDA vLLM is installed (not on the lent machine): vLLM against the reference engine,
+                  and a weight update into a CUDA vLLM engine while it generates
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(name: str, cmd: list[str], out: Path, limit_s: float, env: dict[str, str]) -> dict:
+    """Run one part with its time limit; its output goes to OUT/name.log."""
+    log = out / f"{name}.log"
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=limit_s)
+            status = "ok" if p.returncode == 0 else f"failed (exit {p.returncode})"
+        except subprocess.TimeoutExpired:
+            status = f"hung (killed after {limit_s:.0f} s)"
+    return {"part": name, "status": status, "wall_s": round(time.perf_counter() - t0, 1), "log": log.name}
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def job_summary(folder: Path) -> dict:
+    """What the job's metrics say about its in-flight updates."""
+    recs = records(folder / "rl" / "metrics.jsonl")
+    if not recs:
+        return {}
+    last = recs[-1]
+
+    def col(key: str) -> list[float]:
+        return [r[key] for r in recs if isinstance(r.get(key), (int, float))]
+
+    return {
+        "steps": last.get("step"),
+        "version": last.get("version"),
+        "lag_mean": round(statistics.mean(col("lag_mean")), 2) if col("lag_mean") else None,
+        "lag_max": max(col("lag_max")) if col("lag_max") else None,
+        "ess_min": round(min(col("ess")), 5) if col("ess") else None,
+        "update_pause_ms_median": round(statistics.median(col("update_pause_ms")), 1)
+        if col("update_pause_ms")
+        else None,
+        "reward_last": last.get("reward_mean"),
+    }
+
+
+def ess_summary(folder: Path) -> dict:
+    recs = records(folder / "rl" / "metrics.jsonl")
+    ess = [r["ess"] for r in recs if isinstance(r.get("ess"), (int, float))]
+    if not ess:
+        return {}
+    return {"steps": len(ess), "ess_mean": round(statistics.mean(ess), 6), "ess_min": round(min(ess), 6)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true", help="rehearse on a CPU machine (device cpu, small shapes)")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check")
+    a = p.parse_args()
+    out = a.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    device = "cpu" if a.cpu else "cuda"
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")
+    )
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(ROOT), env.get("PYTHONPATH", "")) if x)
+    import torch
+
+    info = {
+        "device": torch.cuda.get_device_name(0) if not a.cpu else "cpu (rehearsal)",
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+    print(json.dumps(info), flush=True)
+    rows: list[dict] = []
+    probe = [str(ROOT / "scripts" / "startup_probe.py"), "--device", device]
+    rows.append(run("startup_landed", torchrun(2, *probe, "--layout", "landed"), out, 40, env))
+    rows.append(run("startup_fixed", torchrun(2, *probe, "--layout", "fixed"), out, 60, env))
+
+    ws, job_out = out / "warmstart", out / "job"
+    job = [
+        "--config",
+        "arithmetic",
+        "--job.stage=rl",
+        f"--job.device={device}",
+        "--inference.engine=reference",
+        "--inference.device=cpu",
+        f"--warmstart.path={ws}",
+        # a policy with rewards to learn from (the default warm start is 76% at 1000 steps): stop at 50%
+        "--warmstart.steps=1000",
+        "--warmstart.eval_every=100",
+        "--warmstart.stop_at_accuracy=0.5",
+        "--task.eval_size=128",
+        f"--job.output_dir={job_out}",
+        "--rl.max_steps=40",
+        "--eval.every=0",
+        "--eval.at_start=false",
+        "--metrics.log_every=10",
+        "--job.threads_per_rank=1",
+    ]
+    row = run("job", torchrun(2, str(ROOT / "run_train.py"), *job), out, 200, env)
+    row.update(job_summary(job_out))
+    rows.append(row)
+
+    for name, head in (("ess_fp32_head", "on"), ("ess_bf16_head", "off")):
+        folder = out / name
+        cmd = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "colocated.py"),
+            "--config",
+            "arithmetic",
+            f"--job.device={device}",
+            f"--warmstart.path={ws}",
+            f"--trainer.fp32_head={head}",
+            "--trainer.param_dtype=auto",
+            f"--job.output_dir={folder}",
+            "--rl.max_steps=15",
+            "--metrics.log_every=5",
+        ]
+        row = run(name, cmd, out, 60, env)
+        row.update(ess_summary(folder))
+        rows.append(row)
+
+    shape = ["--flavour", "debug", "--tokens", "1024"] if a.cpu else ["--flavour", "qwen2.5-0.5b", "--tokens", "8192"]
+    for name, extra in (("step", []), ("step_ac", ["--checkpointing"])):
+        js = out / f"{name}.json"
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step_speed.py"), *shape, "--docs", "8"]
+        row = run(name, [*cmd, *extra, "--out", str(js)], out, 90, env)
+        if js.is_file():
+            step = json.loads(js.read_text())
+            row.update({k: step[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib", "plan_gib", "sdpa_kernel")})
+        rows.append(row)
+
+    if not a.cpu and importlib.util.find_spec("vllm") is not None:  # a GPU machine of the user's, with CUDA vLLM
+        rows.append(
+            run(
+                "vllm_engines",
+                [sys.executable, str(ROOT / "benchmarks" / "engines.py"), "--gpu", "--flavours", "qwen2.5-0.5b"]
+                + ["--prompts", "64", "--max-tokens", "128", "--out", str(out / "vllm_engines.json")],
+                out,
+                150,
+                env,
+            )
+        )
+        update = [str(ROOT / "benchmarks" / "vllm_update.py"), "--gpu", "--flavour", "qwen2.5-0.5b", "--updates", "5"]
+        update += ["--loads", "reload,inplace", "--out", str(out / "vllm_update.json")]
+        rows.append(run("vllm_update", torchrun(2, *update), out, 120, env))
+
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys and k != "log"]
+    table = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    table += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    text = f"GPU check on {info['device']}, Python {info['python']}, torch {info['torch']}\n\n" + "\n".join(table)
+    (out / "gpu_check.md").write_text(text + "\n")
+    (out / "gpu_check.json").write_text(json.dumps({"machine": info, "parts": rows}, indent=2))
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
