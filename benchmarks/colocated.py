@@ -23,7 +23,6 @@ for a step in parts to overlap.
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import sys
@@ -47,11 +46,11 @@ from pipelinerl_fsdp.preflight import engine_max_len, sequence_limits, stop_toke
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import group_advantages
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
-from pipelinerl_fsdp.rl.loss import LossSettings, micro_batch_loss
+from pipelinerl_fsdp.rl.loss import LossSettings
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics
 from pipelinerl_fsdp.tasks import ProblemStream, make_task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer
-from pipelinerl_fsdp.train_step import forward_backward
+from pipelinerl_fsdp.train_step import forward_backward, rl_loss_fn
 from pipelinerl_fsdp.transport.rollouts import Sample
 
 
@@ -136,7 +135,7 @@ class Colocated:
         """The job's optimizer step on `samples`, then the new weights into the generator."""
         cfg = self.cfg
         micro = rl_micro_batches(samples, cfg.trainer.micro_batch_tokens, self.device)
-        loss_fn = functools.partial(micro_batch_loss, num_sequences=cfg.rl.batch_size, settings=self.loss_settings)
+        loss_fn = rl_loss_fn(cfg.rl.batch_size, self.loss_settings, 1)  # the job's step, on one rank
         stats = forward_backward(
             self.policy.model,
             micro,

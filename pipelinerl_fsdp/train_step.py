@@ -13,9 +13,24 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl_fsdp.models.decoder import Transformer
+from pipelinerl_fsdp.rl.loss import LossSettings, micro_batch_loss
 
 # (logp [1, T], entropy [1, T], micro-batch) -> (loss to backpropagate, summed statistics for logging)
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+def rl_loss_fn(batch_size: int, settings: LossSettings, n_ranks: int) -> LossFn:
+    """The RL step's loss per micro-batch: the policy loss normalised by the step's `batch_size` sequences over all
+    ranks, times `n_ranks`, because FSDP averages the gradients over the ranks while each rank's loss is already
+    a share of the global sum (`tests/dist/dp_equivalence.py`: 1 and 2 ranks get the same gradients)."""
+
+    def loss_fn(
+        logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        loss, stats = micro_batch_loss(logp, ent, mb, batch_size, settings)
+        return loss * n_ranks, stats
+
+    return loss_fn
 
 
 def _dummy_micro_batch(device: torch.device) -> dict[str, torch.Tensor]:

@@ -30,13 +30,13 @@ from pipelinerl_fsdp.parallelize import full_state_dict
 from pipelinerl_fsdp.policy import build_policy, load_sharded
 from pipelinerl_fsdp.processes import kill_descendants
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
-from pipelinerl_fsdp.rl.loss import LossSettings, micro_batch_loss
+from pipelinerl_fsdp.rl.loss import LossSettings
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics, update_pauses
 from pipelinerl_fsdp.rollout_log import RolloutLog, as_text
 from pipelinerl_fsdp.stopping import StopRequested
 from pipelinerl_fsdp.tasks import make_task
 from pipelinerl_fsdp.tokenizer import load_tokenizer
-from pipelinerl_fsdp.train_step import add_reference_logprobs, forward_backward, sum_over_ranks
+from pipelinerl_fsdp.train_step import add_reference_logprobs, forward_backward, rl_loss_fn, sum_over_ranks
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, Sample, scatter_samples
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import PushStats, WeightSender
@@ -157,13 +157,6 @@ class RLTrainer:
         with waiting_for("this step's share of the batch from the first trainer rank", self.world.rank):
             return scatter_samples(parts, self.world.trainer_group, 0, self.world.trainer_rank, stop=stop)
 
-    def _loss_fn(
-        self, logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        loss, s = micro_batch_loss(logp, ent, mb, self.cfg.rl.batch_size, self.loss_settings)
-        # FSDP averages gradients over ranks; the loss is already normalised by the global B.
-        return loss * len(self.world.trainer_ranks), s
-
     def train_step(self, step: int) -> None:
         """Optimizer step number `step` (0-based): data, forward/backward, update, weight push, metrics."""
         cfg, world, device = self.cfg, self.world, self.world.device
@@ -187,7 +180,7 @@ class RLTrainer:
             wave_stats = forward_backward(
                 self.policy.model,
                 micro,
-                self._loss_fn,
+                rl_loss_fn(cfg.rl.batch_size, self.loss_settings, len(world.trainer_ranks)),
                 cfg.inference.temperature,
                 world.trainer_group,
                 device,

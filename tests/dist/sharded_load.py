@@ -25,6 +25,18 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
+def reset_peak() -> None:
+    """Reset this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0): rank 0's own model build, before
+    the load, would otherwise hold the high-water mark, and the load's peak could not be seen."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
 def main(folder: Path) -> None:
     cfg = load_config(["--config", "arithmetic", "--job.stage=warmstart", "--world.inference_ranks=0"])
     world = init_world(cfg)
@@ -35,11 +47,10 @@ def main(folder: Path) -> None:
         save_hf_folder(folder, args, model.state_dict(), max_shard_bytes=int(model_mb * 2**20 / 4) + 1)
         del model
     dist.barrier()
+    reset_peak()
     before = rss_mb()
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     sharded = load_sharded(folder, world, cfg.trainer)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    grown = peak - max(before, peak_before) if peak > peak_before else rss_mb() - before
+    grown = peak_mb() - before
     stored = read_state_dict(folder)
     equal = all(torch.equal(p.full_tensor(), stored[n]) for n, p in sharded.named_parameters())
     shards = len(list(folder.glob("*.safetensors")))

@@ -480,6 +480,16 @@ def test_resumed_trainer_takes_the_same_next_step(tmp_path):
     assert "RESUME_EXACT_OK" in r.stdout
 
 
+def test_one_and_two_trainer_ranks_take_the_same_gradient_on_the_same_batch():
+    """The loss's trainer-count factor (FSDP averages gradients over ranks): gradients, not weights after AdamW,
+    are compared, since Adam's normalisation would hide a wrong factor (a factor of 2 off: relative difference 0.5)."""
+    from conftest import torchrun_script
+
+    r = torchrun_script(2, ROOT / "tests" / "dist" / "dp_equivalence.py", timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "DP_EQUIVALENCE_OK" in r.stdout
+
+
 def test_ppo_loss_with_kl_to_the_initial_policy(warm_folder, tmp_path):
     r = short_run(2, 1, warm_folder, tmp_path, "--rl.loss=ppo", "--rl.kl_coef=0.1", "--rl.max_steps=6")
     assert r.returncode == 0, r.stderr[-4000:]
