@@ -243,7 +243,7 @@ class RLTrainer:
                 grad_norm,
                 lr,
                 push,
-                StepTimes(t_start, t_data, t_end, self._t_prev),
+                StepTimes(t_start, t_data, t_end, self._t_prev, self._push_s),
             )
         self._t_prev = t_end
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from pipelinerl_fsdp.inference.busy import BusyClock
 from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request
 from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement
 from pipelinerl_fsdp.inference.vllm_load import resolve_weight_load
@@ -202,14 +203,14 @@ class VLLMEngine(Engine):
         self.stop_token_ids = list(stop_token_ids or [])
         self.weight_load = weight_load  # how the workers load updates (vllm_load.LOADS)
         self.version = 0
-        self.generated_tokens, self.busy_s, self.pause_s = 0, 0.0, 0.0
-        # sequences in flight integrated over time, up to _seq_mark (counted from this thread: a request is in
-        # flight from `add` until `step` returns it; the inference loop calls `step` every few ms)
-        self._seq_s, self._seq_mark = 0.0, time.perf_counter()
+        self.generated_tokens = 0
+        # busy time and sequence-seconds as vLLM sees its requests: from `add` until vLLM returns the final output
+        # (on the client loop), not until the inference loop collects it, which waits while it is blocked on a full
+        # send queue; weight-update pauses taken out (busy.py)
+        self.busy = BusyClock()
         self._active: dict[str, _Active] = {}  # loop thread only
         self._finished: queue.SimpleQueue[Request | BaseException] = queue.SimpleQueue()
-        self._n_unfinished = 0
-        self._busy_since: float | None = None
+        self._n_unfinished = 0  # added and not yet returned by `step` (the caller's thread)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vllm-client", daemon=True)
         self._thread.start()
@@ -297,6 +298,7 @@ class VLLMEngine(Engine):
         except BaseException as e:  # surfaces in the caller's `step()`: a dead engine must stop the job
             self._finished.put(e)
         finally:
+            self.busy.leave()
             self._active.pop(rid, None)
 
     async def _update(self, version: int, recompute: bool, staged: bool = False) -> None:
@@ -362,15 +364,8 @@ class VLLMEngine(Engine):
         """The first worker's last load: wall seconds, and of those the seconds waiting for buckets."""
         return tuple(self._call(self.llm.collective_rpc("last_load_seconds"), "the last load's timing")[0])
 
-    def _count_sequences(self) -> None:
-        now = time.perf_counter()
-        self._seq_s += self._n_unfinished * (now - self._seq_mark)
-        self._seq_mark = now
-
     def add(self, request: Request) -> None:
-        self._count_sequences()
-        if self._n_unfinished == 0:
-            self._busy_since = time.perf_counter()
+        self.busy.enter()
         self._n_unfinished += 1
         asyncio.run_coroutine_threadsafe(self._generate(request), self.loop)
 
@@ -389,34 +384,22 @@ class VLLMEngine(Engine):
         for r in done:
             if isinstance(r, BaseException):
                 raise RuntimeError("vLLM engine failed") from r
-        self._count_sequences()
         self._n_unfinished -= len(done)
         self.generated_tokens += sum(len(r.tokens) for r in done)  # type: ignore[union-attr]
-        if self._n_unfinished == 0 and self._busy_since is not None:
-            self.busy_s += time.perf_counter() - self._busy_since
-            self._busy_since = None
         return done  # type: ignore[return-value]
 
     def stats(self) -> tuple[int, float, float]:
-        """Busy: time with at least one request in the engine, less the update pauses (and so are the sequences'
-        seconds)."""
-        running = time.perf_counter() - self._busy_since if self._busy_since is not None else 0.0
-        self._count_sequences()
-        return self.generated_tokens, self.busy_s + running - self.pause_s, self._seq_s
+        """Busy: time vLLM holds at least one unfinished request, less the update pauses (`busy.BusyClock`)."""
+        busy, seq_s = self.busy.read()
+        return self.generated_tokens, busy, seq_s
 
     def load_update(self, receiver: WeightReceiver, version: int, recompute: bool) -> None:
         """The workers receive the buckets and load them (`receiver` only carried the header)."""
-        t0 = time.perf_counter()
-        self._call(self._update(version, recompute), f"the update to version {version}")
-        self._paused_since(t0)
-
-    def _paused_since(self, t0: float) -> None:
-        """Take the pause that began at `t0` out of the busy time and the sequences' seconds."""
-        if self._busy_since is not None:  # only a pause while busy is idle time to subtract
-            pause = time.perf_counter() - max(t0, self._busy_since)
-            self.pause_s += pause
-            self._count_sequences()
-            self._seq_s -= self._n_unfinished * pause  # the same requests were in flight throughout
+        self.busy.pause()
+        try:
+            self._call(self._update(version, recompute), f"the update to version {version}")
+        finally:
+            self.busy.resume()
 
     async def _shutdown(self) -> None:
         self.llm.shutdown()
@@ -428,12 +411,18 @@ class VLLMEngine(Engine):
     def stage_update(self, receiver: WeightReceiver) -> None:
         """Into the workers' receive buffers (the RPC runs between two engine steps; generation goes on with the
         current weights)."""
-        t0 = time.perf_counter()
-        self._call(self.llm.collective_rpc("receive_weight_update", args=(False,)), "receiving an update")
-        self._paused_since(t0)
+        self.busy.pause()
+        try:
+            self._call(self.llm.collective_rpc("receive_weight_update", args=(False,)), "receiving an update")
+        finally:
+            self.busy.resume()
 
     def apply_staged(self, version: int) -> None:
-        self._call(self._update(version, False, staged=True), f"loading the staged version {version}")
+        self.busy.pause()
+        try:
+            self._call(self._update(version, False, staged=True), f"loading the staged version {version}")
+        finally:
+            self.busy.resume()
 
     def close(self) -> None:
         """Stop the engine's processes and the client loop (unfinished requests are dropped)."""

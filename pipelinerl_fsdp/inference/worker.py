@@ -70,6 +70,8 @@ class InferenceWorker:
             "pause_ms_max": 0.0,
             "skipped_prompts": 0.0,
             "seq_s": 0.0,
+            # the loop's time waiting for room in the send queue (back-pressure from the trainer)
+            "send_blocked_s": 0.0,
         }
         # prompts over task.max_prompt_tokens (tasks that have the key) are skipped and counted
         self._max_prompt = getattr(cfg.task, "max_prompt_tokens", 0)
@@ -235,7 +237,10 @@ class InferenceWorker:
         # Backpressure: wait while the queue is full, but keep taking weight updates meanwhile.
         while not self.stopped:
             self._snapshot_stats()
-            if self.sender.put(payload, self.stats, timeout=0.05):
+            t0 = time.perf_counter()
+            sent = self.sender.put(payload, self.stats, timeout=0.05)
+            self.stats["send_blocked_s"] += time.perf_counter() - t0  # reaches the trainer with the next send
+            if sent:
                 self.stats["pause_ms_max"] = 0.0  # sent (the queue copied the counters): a new window starts
                 return
             self._service_update()

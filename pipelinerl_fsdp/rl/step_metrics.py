@@ -21,11 +21,12 @@ class EngineCounters:
     busy_s: float = 0.0
     elapsed_s: float = 0.0
     seq_s: float = 0.0  # sequences in flight x busy seconds (Engine.stats)
+    send_blocked_s: float = 0.0  # the inference loops' time waiting for room in their send queues
 
     @classmethod
     def total(cls, per_engine: dict[int, dict[str, float]]) -> EngineCounters:
-        keys = ("gen_tokens", "busy_s", "elapsed_s", "seq_s")
-        return cls(*(sum(st[k] for st in per_engine.values()) for k in keys))
+        keys = ("gen_tokens", "busy_s", "elapsed_s", "seq_s", "send_blocked_s")
+        return cls(*(sum(st.get(k, 0.0) for st in per_engine.values()) for k in keys))
 
 
 def update_pauses(
@@ -47,6 +48,7 @@ class StepTimes:
     data: float  # the batch was in hand
     end: float  # optimizer step and weight push done
     previous_end: float  # the previous step's end (rates are per wall-clock interval)
+    push_blocked_s: float = 0.0  # of data..end, the trainer's time blocked on weight pushes (not computing)
 
 
 def token_lags(samples: list[Sample], trained_version: int) -> list[int]:
@@ -108,8 +110,11 @@ def step_metrics(
         "gen_tokens_per_s": (engines.gen_tokens - engines_before.gen_tokens) / (times.end - times.previous_end),
         "train_tokens_per_s": sum(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
         / (times.end - times.data),
-        "trainer_busy_frac": (times.end - times.data) / (times.end - times.start),
+        # busy = computing; blocked = waiting on the other side (trainer: pushes; engines' loops: a full queue)
+        "trainer_busy_frac": (times.end - times.data - times.push_blocked_s) / (times.end - times.start),
+        "trainer_push_blocked_frac": times.push_blocked_s / (times.end - times.start),
         "inference_busy_frac": busy / engine_elapsed,
+        "inference_send_blocked_frac": (engines.send_blocked_s - engines_before.send_blocked_s) / engine_elapsed,
         "wait_for_data_s": times.data - times.start,
         "train_step_s": times.end - times.data,
     }

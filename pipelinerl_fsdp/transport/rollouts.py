@@ -33,6 +33,7 @@ ENGINE_STATS = (
     "pause_ms_max",
     "skipped_prompts",
     "seq_s",
+    "send_blocked_s",
 )
 
 

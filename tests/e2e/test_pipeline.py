@@ -151,7 +151,13 @@ def test_default_pipeline_learns(default_warmstart, tmp_path, engine):
     ],
 )
 def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc, n_inf, extra):
-    r = short_run(nproc, n_inf, warm_folder, tmp_path, "--eval.every=6", "--metrics.rollouts_every=1", *extra)
+    # The queues bound the lag (see conftest.pipeline_lag_bound). Two vLLM engines: up to 3 more steps while a long
+    # attempt is overtaken (measured up to 1 over the queue bound in 6 runs). max_lag sits above the bound, so the
+    # collector's drop rule cannot be what keeps the lag under it: the lag check below can fail.
+    span = 3 if n_inf > 1 and "--inference.engine=vllm" in extra else 0
+    bound = pipeline_lag_bound(32, 4, 16, 2, n_inf, span)
+    args = ("--eval.every=6", "--metrics.rollouts_every=1", f"--rl.max_lag={bound + 4}", *extra)
+    r = short_run(nproc, n_inf, warm_folder, tmp_path, *args)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     recs = records(tmp_path)
     # evaluated on the engines at versions 0 (at_start), 6 and 12, each in evals.jsonl once, in that order (6 may
@@ -176,11 +182,6 @@ def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc,
     assert METRIC_KEYS <= recs[0].keys()
     assert [x["version"] for x in recs] == list(range(1, 13))
     assert recs[0]["lag_max"] == 0 and recs[0]["ess"] == pytest.approx(1.0, abs=1e-4)  # first step: on-policy
-    # The queues bound the lag (see conftest.pipeline_lag_bound) below max_lag = 8: nothing may be dropped. Two vLLM
-    # engines: up to 3 more steps while a long attempt is overtaken (measured up to 1 over the queue bound in 6 runs;
-    # the bound stays below max_lag).
-    span = 3 if n_inf > 1 and "--inference.engine=vllm" in extra else 0
-    bound = pipeline_lag_bound(32, 4, 16, 2, n_inf, span)
     assert max(x["lag_max"] for x in recs) <= bound and recs[-1]["dropped_stale"] == 0
     assert max(x["lag_max"] for x in recs) >= 1  # engines really generate while the trainer trains
     assert all(x["gen_tokens_per_s"] > 0 and x["train_tokens_per_s"] > 0 for x in recs[1:])
@@ -189,7 +190,7 @@ def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc,
     assert recs[-1]["samples"] == 12 * 32 and all(x["completion_len"] >= 1 for x in recs)
     if "--rl.filter_zero_advantage=true" in extra:
         # groups that all scored the same were dropped (this warm start solves many prompts in every attempt)
-        assert recs[-1]["filtered_zero_adv"] > 0 and all(x["zero_adv_group_frac"] == 0 for x in recs)
+        assert recs[-1]["filtered_zero_adv"] > 0  # (zero_adv_group_frac is then 0 by the filter's construction)
     else:
         assert recs[-1]["filtered_zero_adv"] == 0
     assert any((tmp_path / "rl" / "tb").iterdir())
