@@ -98,7 +98,11 @@ class PyNcclStoreGroup(StoreGroup):
         # vLLM's group is a dataclass around any c10d store: ours (the torchrun store, under our prefix), so no
         # rank has to open a port of its own; the communicator's set-up is the rendezvous (it blocks until all join)
         self.pg = StatelessProcessGroup(rank=rank, world_size=size, store=store)
+        caller_stream = torch.cuda.current_stream(device)
         self.comm = PyNcclCommunicator(self.pg, device=device)
+        # its warm-up asks vLLM's `current_stream()`, which in a process that never set one (the trainer) switches
+        # this thread to a new stream for good (its set-up synchronised that stream): give the caller's back
+        torch.cuda.set_stream(caller_stream)
         self.stream = torch.cuda.Stream(device=device)
 
     def broadcast(self, flat: torch.Tensor) -> EventWork:

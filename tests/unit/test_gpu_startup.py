@@ -204,6 +204,9 @@ def test_gpu_bucket_group_is_vllms_own_nccl(monkeypatch):
     monkeypatch.setattr(store_group.dist, "TCPStore", lambda *a, **k: "tcp")
     monkeypatch.setattr(store_group.dist, "PrefixStore", lambda prefix, store: (prefix, store))
     monkeypatch.setattr(store_group.torch.cuda, "Stream", lambda device: "stream")
+    streams = []
+    monkeypatch.setattr(store_group.torch.cuda, "current_stream", lambda device=None: "caller's stream")
+    monkeypatch.setattr(store_group.torch.cuda, "set_stream", streams.append)
 
     def no_torch_nccl(*a, **k):
         raise AssertionError("a torch ProcessGroupNCCL inside vLLM's worker")
@@ -213,6 +216,7 @@ def test_gpu_bucket_group_is_vllms_own_nccl(monkeypatch):
     assert isinstance(g, store_group.PyNcclStoreGroup)
     assert made["spg"] == (2, 3, ("p/vllm_weights/", "tcp"))
     assert made["comm"][1] == torch.device("cuda", 1)
+    assert streams == ["caller's stream"]  # vLLM's communicator set-up may switch the thread's stream: restored
     with pytest.raises(ValueError, match="NCCL needs a CUDA device"):
         store_group.join_store_group("h", 1, "g", 0, 2, "nccl", torch.device("cpu"), 5, "p/")
 
