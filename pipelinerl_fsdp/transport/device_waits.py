@@ -10,11 +10,21 @@ time is taken from CUDA events.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 POLL_S = 1e-4
+
+
+def poll_until(done: Callable[[], bool], what: str, timeout_s: float, poll_s: float = POLL_S) -> None:
+    """Return once `done()` is true; a `TimeoutError` naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not complete after {timeout_s:.0f} s (world.timeout_s)")
+        time.sleep(poll_s)
 
 
 def wait_on_host(work: Any, device: torch.device, what: str, timeout_s: float, poll_s: float = POLL_S) -> None:
@@ -24,11 +34,7 @@ def wait_on_host(work: Any, device: torch.device, what: str, timeout_s: float, p
         work.wait()
         return
     work.wait()  # orders the caller's stream after the transfer (and raises an error NCCL already knows of)
-    deadline = time.monotonic() + timeout_s
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not complete after {timeout_s:.0f} s (world.timeout_s)")
-        time.sleep(poll_s)
+    poll_until(work.is_completed, what, timeout_s, poll_s)
 
 
 class Stopwatch:

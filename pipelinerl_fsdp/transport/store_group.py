@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from pipelinerl_fsdp.transport.device_waits import poll_until
 
 # the group of the first trainer rank and the vLLM workers that receive the weight buckets
 ENGINE_BUCKET_GROUP = "vllm_weights"
@@ -72,11 +73,7 @@ class EventWork:
         return bool(self.event.query())
 
     def wait(self) -> bool:
-        deadline = time.monotonic() + self.timeout_s
-        while not self.event.query():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.what}: not complete after {self.timeout_s:.0f} s (world.timeout_s)")
-            time.sleep(self.poll_s)
+        poll_until(self.is_completed, self.what, self.timeout_s, self.poll_s)
         torch.cuda.current_stream(self.device).wait_event(self.event)
         return True
 
