@@ -372,6 +372,10 @@ class VLLMEngine(Engine):
     def num_unfinished(self) -> int:
         return self._n_unfinished
 
+    def tokens_in_flight(self) -> list[int]:
+        """Output tokens so far of each request vLLM's (first) worker holds, read between two engine steps."""
+        return list(self._call(self.llm.collective_rpc("token_counts"), "the in-flight token counts")[0].values())
+
     def step(self, timeout: float = 0.005) -> list[Request]:
         """Requests finished since the last call (waits up to `timeout` for the first). Raises the engine's error."""
         done = []

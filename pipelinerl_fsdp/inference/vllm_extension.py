@@ -145,6 +145,10 @@ class WeightUpdateExtension:
             return {}
         return self._load(self._streamed(version))
 
+    def token_counts(self) -> dict[str, int]:
+        """Output tokens so far of every request this worker's runner holds (between two engine steps)."""
+        return output_token_counts(self.model_runner)
+
     def load_received_weights(self) -> dict[str, int]:
         """Load the update kept by `receive_weight_update(load=False)` (token counts as above)."""
         layout = self._pl_layout

@@ -1,6 +1,7 @@
 """vLLM inside a torchrun job (engine core in its own process), exactly as the inference ranks run it: rank 0 plays
 the first trainer rank (WeightSender, buckets over the store-built group), rank 1 runs `VLLMEngine` and takes
-updates whenever their header arrives, while requests are being generated.
+each update while requests are being
+generated (once one of them has LANDING tokens).
 
 Phase 1 (keep KV): engine starts with `old`, the update carries `new` (version 1). Phase 2 (recompute): requests
 start under `new`, the update carries `old` again (version 2) with `recompute=True`. For every request the
@@ -14,7 +15,6 @@ Run: torchrun --nproc-per-node 2 tests/dist/vllm_job_update.py WORK_DIR [LOAD]  
 
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ (kv_refer
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from kv_reference import full_logprobs, logprobs_old_kv_then_new  # noqa: E402
 
+from kv_reference import full_logprobs, logprobs_old_kv_then_new  # noqa: E402
 from pipelinerl_fsdp.config import Config  # noqa: E402
 from pipelinerl_fsdp.inference.engine import Request  # noqa: E402
 from pipelinerl_fsdp.inference.placement import vllm_placement  # noqa: E402
@@ -35,9 +35,10 @@ from pipelinerl_fsdp.transport.store_group import join_store_group, store_addres
 from pipelinerl_fsdp.transport.weights import STOP, UPDATE, WeightReceiver, WeightSender  # noqa: E402
 from pipelinerl_fsdp.world import init_world  # noqa: E402
 
-# 400 tokens: generation takes ~1.3 s here, so the update (sent ~0.15 s in) lands mid-sequence even when a busy
-# machine delays it by a second; with 160 tokens (~0.6 s) a stall of ~0.4 s made the update arrive after the end.
-T, MAX_TOKENS, MAX_LEN = 0.8, 400, 448
+# The update is taken once a request has generated LANDING tokens (vLLM streams each step's output), so it lands
+# mid-sequence whatever the machine's speed. Timing it instead (send ~0.15 s in) failed in CI when the trainer
+# rank's header came after all 400 tokens (~1.3 s).
+T, MAX_TOKENS, MAX_LEN, LANDING = 0.8, 400, 448, 24
 PROMPTS = [[3, 4, 5, 13], [6, 7, 8, 9, 13], [10, 13], [11, 12, 13]]
 
 
@@ -64,7 +65,7 @@ def main() -> None:
         assert len(sender.buckets) > 1
         for version, weights in ((1, new), (2, old)):
             sender_model.load_state_dict(weights.state_dict())
-            dist.barrier()  # the engine has started generating this phase's requests
+            # the engine starts the phase once this header is there; the buckets go when it loads the update
             sender.push(version)
         dist.barrier()
         sender.stop()
@@ -81,14 +82,16 @@ def main() -> None:
         pass
     for phase, recompute in ((1, False), (2, True)):
         reqs = [Request(10 * phase + i, p, MAX_TOKENS) for i, p in enumerate(PROMPTS)]
+        while not receiver.pending():  # the phase starts once the update's header is here: the trainer rank's
+            engine.step(timeout=0.002)  # timing plays no part
         for r in reqs:
             engine.add(r)
-        time.sleep(0.15)  # let generation get going: the update should land mid-sequence
-        dist.barrier()
         done: list[Request] = []
         updated = False
         while len(done) < len(reqs):
-            if not updated and receiver.pending():
+            # taken once a request has LANDING tokens: by count, not by time, so a slow machine cannot make it
+            # miss every sequence (only a stall of ~1 s between this check and vLLM's pause could)
+            if not updated and max(engine.tokens_in_flight(), default=0) >= LANDING and receiver.pending():
                 kind, version = receiver.wait_header()
                 assert kind == UPDATE and version == phase, (kind, version)
                 engine.load_update(receiver, version, recompute)
