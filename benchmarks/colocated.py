@@ -33,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from pipelinerl_fsdp.checkpoint import export_folder
-from pipelinerl_fsdp.config import Config, load_config
+from pipelinerl_fsdp.checkpoint_layout import export_folder
+from pipelinerl_fsdp.config import Config
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.placement import engine_dtype
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
@@ -48,10 +49,10 @@ from pipelinerl_fsdp.rl.advantages import group_advantages
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
 from pipelinerl_fsdp.rl.loss import LossSettings
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics
+from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.tasks import ProblemStream, make_task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer
 from pipelinerl_fsdp.train_step import forward_backward, rl_loss_fn
-from pipelinerl_fsdp.transport.rollouts import Sample
 
 
 def free_port() -> int:

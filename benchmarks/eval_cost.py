@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "eval_cost.json")
     a = p.parse_args()
     os.chdir(ROOT)
-    from pipelinerl_fsdp.config import load_config
+    from pipelinerl_fsdp.configure import load_config
     from pipelinerl_fsdp.inference.evaluator import EngineEvaluator
     from pipelinerl_fsdp.preflight import sequence_limits, stop_token_ids
     from pipelinerl_fsdp.tasks import make_task

@@ -47,7 +47,7 @@ from pathlib import Path
 from export_eval import Evaluator, crossing
 from torchrun_job import ROOT, job_command, run_job, run_logged
 
-from pipelinerl_fsdp.config import load_config
+from pipelinerl_fsdp.configure import load_config
 
 
 def parse_args() -> argparse.Namespace:

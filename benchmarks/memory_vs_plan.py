@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipelinerl_fsdp.config import load_config  # noqa: E402
+from pipelinerl_fsdp.configure import load_config  # noqa: E402
 from pipelinerl_fsdp.host_memory import PeakAnon  # noqa: E402
 from pipelinerl_fsdp.models import build_model, flavour_args  # noqa: E402
 from pipelinerl_fsdp.models.args import ModelArgs  # noqa: E402

@@ -39,8 +39,8 @@ from pipelinerl_fsdp.optim import build_optimizer
 from pipelinerl_fsdp.parallelize import apply_fsdp
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
 from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
+from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.train_step import clip_and_step, forward_backward
-from pipelinerl_fsdp.transport.rollouts import Sample
 from pipelinerl_fsdp.transport.weights import WeightSender
 
 ROOT = Path(__file__).resolve().parents[1]

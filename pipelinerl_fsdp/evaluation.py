@@ -12,9 +12,9 @@ from transformers import PreTrainedTokenizerBase
 from pipelinerl_fsdp.config import TokenizerConfig
 from pipelinerl_fsdp.inference.generate import generate
 from pipelinerl_fsdp.models.decoder import Transformer
+from pipelinerl_fsdp.samples import EvalReport
 from pipelinerl_fsdp.tasks import Problem, Task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt
-from pipelinerl_fsdp.transport.rollouts import EvalReport
 
 
 @torch.no_grad()

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from pipelinerl_fsdp.config import ConfigError, load_config
+from pipelinerl_fsdp.config import ConfigError
+from pipelinerl_fsdp.configure import load_config
 
 QUERIES = {"max-restarts": lambda cfg: cfg.job.max_restarts}
 

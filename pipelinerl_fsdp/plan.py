@@ -40,6 +40,7 @@ from pipelinerl_fsdp.config import Config, ConfigError
 from pipelinerl_fsdp.models.args import ModelArgs, flavour_args
 from pipelinerl_fsdp.models.hf_io import read_model_args
 from pipelinerl_fsdp.transport.weights import layer_buckets, slot_sizes
+from pipelinerl_fsdp.world import rank_layout
 
 GIB = 1 << 30
 CUDA_CONTEXT_GIB = 1.5
@@ -144,7 +145,7 @@ def procs_per_node(cfg: Config) -> int:
 
 
 def layout(cfg: Config) -> list[NodeLayout]:
-    """Trainer and engine ranks per node (trainers on the low global ranks, `plan.procs_per_node` per node)."""
+    """Trainer and engine ranks per node (`world.rank_layout`, `plan.procs_per_node` per node)."""
     pl, tp = cfg.plan, cfg.inference.tensor_parallel_size
     procs = procs_per_node(cfg)
     world = pl.nodes * procs
@@ -154,11 +155,11 @@ def layout(cfg: Config) -> list[NodeLayout]:
             f"plan: world.inference_ranks = {n_inf} must be in [1, {world - 1}] for {pl.nodes} node(s) x "
             f"{procs} processes ({cfg.source})"
         )
-    first_inf = world - n_inf
+    trainer_ranks = set(rank_layout(world, n_inf)[0])  # the job's rule (world.py)
     out = []
     for node in range(pl.nodes):
         ranks = range(node * procs, (node + 1) * procs)
-        trainers = sum(r < first_inf for r in ranks)
+        trainers = sum(r in trainer_ranks for r in ranks)
         engines = procs - trainers
         out.append(NodeLayout(node, trainers, engines, trainers + engines * tp))
     return out

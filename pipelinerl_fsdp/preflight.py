@@ -68,12 +68,16 @@ def engine_max_len(cfg: Config, prompt_len: int) -> int:
 
 def check_sequence_budget(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase) -> None:
     """The longest sequence must fit one packed micro-batch (it is never split) and the engines."""
-    prompt, total = sequence_limits(cfg, task, tokenizer)
+    check_limits(cfg, task.name, *sequence_limits(cfg, task, tokenizer))
+
+
+def check_limits(cfg: Config, task_name: str, prompt: int, total: int) -> None:
+    """`check_sequence_budget` on limits already measured (`sequence_limits`)."""
     engine_max_len(cfg, prompt)  # a too-short inference.max_model_len is named here, before any engine starts
     if total > cfg.trainer.micro_batch_tokens:
         raise ConfigError(
             f"trainer.micro_batch_tokens = {cfg.trainer.micro_batch_tokens} is smaller than the "
-            f"longest sequence: a prompt of up to {prompt} tokens (task {task.name!r}) + "
+            f"longest sequence: a prompt of up to {prompt} tokens (task {task_name!r}) + "
             f"task.max_new_tokens = {cfg.task.max_new_tokens}; raise the budget or lower "
             f"max_new_tokens ({cfg.source})"
         )

@@ -12,8 +12,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp.rewards.outcomes import OUTCOMES
+from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.tasks import Task
-from pipelinerl_fsdp.transport.rollouts import Sample
 
 
 def version_ranges(versions: list[int]) -> list[list[int]]:

@@ -7,14 +7,19 @@ import os
 import signal
 import sys
 import traceback
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipelinerl_fsdp import stopping
-from pipelinerl_fsdp.config import Config, ConfigError, load_config, save_resolved, validate_world
+from pipelinerl_fsdp.config import Config, ConfigError, save_resolved
+from pipelinerl_fsdp.configure import load_config, validate_world
 from pipelinerl_fsdp.processes import kill_descendants
 from pipelinerl_fsdp.stopping import StopRequested
 from pipelinerl_fsdp.world import World, init_world, job_flags, shutdown
+
+if TYPE_CHECKING:
+    from pipelinerl_fsdp.job_inputs import JobInputs
 
 
 def run_rl(cfg: Config, world: World) -> None:
@@ -43,13 +48,13 @@ def run_rl(cfg: Config, world: World) -> None:
             # failed trainer ends the job (torchrun stops this rank), so this wait needs no deadline of its own.
             job_flags(cfg.world.timeout_s).wait(["warmstart_done"], datetime.timedelta(days=7))
         path = cfg.warmstart.path
-    tokenizer_path = preflight_rl(cfg, path)
+    inputs = preflight_rl(cfg, path)
     bind_cpu_cores(cfg, world)
     bucket = cfg.world.weight_bucket_mb * 1024**2
     if world.is_trainer:
-        run_trainer(cfg, world, path, tokenizer_path, bucket)
+        run_trainer(cfg, world, inputs, bucket)
     else:
-        run_inference(cfg, world, path, tokenizer_path, bucket)
+        run_inference(cfg, world, inputs, bucket)
 
 
 def bind_cpu_cores(cfg: Config, world: World) -> None:
@@ -66,21 +71,15 @@ def bind_cpu_cores(cfg: Config, world: World) -> None:
         torch.set_num_threads(len(cores))
 
 
-def preflight_rl(cfg: Config, model_path: str) -> str:
-    """Every rank, before any engine starts: the job's one tokenizer, and the sequence budget and vocabulary
-    checked against it; the checkpoint to resume from, if one is required. Returns the tokenizer folder."""
-    from pipelinerl_fsdp.checkpoint import resume_point
-    from pipelinerl_fsdp.models import read_model_args
-    from pipelinerl_fsdp.preflight import check_sequence_budget, check_vocab, tokenizer_folder
-    from pipelinerl_fsdp.tasks import make_task
-    from pipelinerl_fsdp.tokenizer import load_tokenizer
+def preflight_rl(cfg: Config, model_path: str) -> JobInputs:
+    """Every rank, before any engine starts: the job's inputs (one tokenizer, the task, the sequence budget and
+    vocabulary checked against them), and the checkpoint to resume from, if one is required."""
+    from pipelinerl_fsdp.checkpoint_layout import resume_point
+    from pipelinerl_fsdp.job_inputs import build_job_inputs
 
-    folder = tokenizer_folder(cfg, model_path)
-    tokenizer = load_tokenizer(folder)
-    check_sequence_budget(cfg, make_task(cfg.task), tokenizer)
-    check_vocab(cfg, read_model_args(model_path).vocab_size, tokenizer, f"model folder {model_path}")
+    inputs = build_job_inputs(cfg, model_path)
     resume_point(cfg)  # checkpoint.resume = "required" with nothing to resume, a bad resume_from: named here
-    return folder
+    return inputs
 
 
 def run(cfg: Config) -> None:

@@ -17,13 +17,15 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp import stopping
-from pipelinerl_fsdp.checkpoint import export_folder, load_checkpoint, resume_point, save_checkpoint
+from pipelinerl_fsdp.checkpoint import load_checkpoint, save_checkpoint
+from pipelinerl_fsdp.checkpoint_layout import export_folder, resume_point
 from pipelinerl_fsdp.collector import Collector
 from pipelinerl_fsdp.config import Config, checkpoint_folder
 from pipelinerl_fsdp.evaluation import EvalAggregator
 from pipelinerl_fsdp.faults import maybe_fail, nan_loss_at
-from pipelinerl_fsdp.inference.factory import engine_kind
+from pipelinerl_fsdp.inference.kinds import engine_kind
 from pipelinerl_fsdp.inference.placement import engine_dtype
+from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.metrics import MetricsLogger, rl_console
 from pipelinerl_fsdp.models import save_hf_folder
 from pipelinerl_fsdp.parallelize import full_state_dict
@@ -33,11 +35,10 @@ from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
 from pipelinerl_fsdp.rl.loss import LossSettings
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics, update_pauses
 from pipelinerl_fsdp.rollout_log import RolloutLog, as_text
+from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.stopping import StopRequested
-from pipelinerl_fsdp.tasks import make_task
-from pipelinerl_fsdp.tokenizer import load_tokenizer
 from pipelinerl_fsdp.train_step import add_reference_logprobs, forward_backward, rl_loss_fn, sum_over_ranks
-from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, Sample, scatter_samples
+from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, scatter_samples
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import PushStats, WeightSender
 from pipelinerl_fsdp.world import World, uses_cuda, waiting_for
@@ -47,10 +48,9 @@ class RLTrainer:
     """One trainer rank of the RL stage: `setup` in the constructor, then `train_step` per step, `checkpoint`,
     `close`. Every method is collective over the trainer ranks."""
 
-    def __init__(
-        self, cfg: Config, world: World, model_path: str | Path, tokenizer_path: str, bucket_bytes: int
-    ) -> None:
-        self.cfg, self.world, self.model_path = cfg, world, model_path
+    def __init__(self, cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int) -> None:
+        self.cfg, self.world, self.model_path = cfg, world, inputs.model_path
+        model_path = inputs.model_path
         rl, device = cfg.rl, world.device
         self.policy = build_policy(load_sharded(model_path, world, cfg.trainer), cfg.trainer.optimizer, rl.max_steps)
         self.ref_model = None
@@ -92,8 +92,7 @@ class RLTrainer:
             self.receiver = RolloutReceiver(world.rollout_group, len(world.inference_ranks), self._wave_groups())
             self.collector = Collector(self.receiver, rl, len(world.inference_ranks))
         self.loss_settings = LossSettings(kind=rl.loss, is_clip=rl.is_clip, ppo_eps=rl.ppo_eps, kl_coef=rl.kl_coef)
-        self.tokenizer = load_tokenizer(tokenizer_path)
-        self.task = make_task(cfg.task)
+        self.tokenizer, self.task = inputs.tokenizer, inputs.task
         # held-out evaluation runs on the engines; their reports are joined here
         self.eval_sets = list(self.task.eval_sets())
         self.evals = EvalAggregator(self.eval_sets, len(world.inference_ranks), cfg.eval.pass_k)
@@ -398,5 +397,5 @@ def export_policy(model: torch.nn.Module, out: Path, world: World, tokenizer: Pr
     dist.barrier(group=world.trainer_group)
 
 
-def run_trainer(cfg: Config, world: World, model_path: str | Path, tokenizer_path: str, bucket_bytes: int) -> None:
-    RLTrainer(cfg, world, model_path, tokenizer_path, bucket_bytes).run()
+def run_trainer(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int) -> None:
+    RLTrainer(cfg, world, inputs, bucket_bytes).run()

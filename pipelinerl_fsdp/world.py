@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pipelinerl_fsdp.config import Config, ConfigError
 from pipelinerl_fsdp.gpus import gpu_count
+from pipelinerl_fsdp.inference.kinds import engine_kind
 from pipelinerl_fsdp.transport.store_group import store_prefix
 
 
@@ -80,8 +81,6 @@ def uses_cuda(cfg: Config, backend: str, is_inference: bool) -> bool:
         return True
     if cfg.job.stage != "rl":
         return False  # an inference rank of the warm-start stage only waits
-    from pipelinerl_fsdp.inference.factory import engine_kind
-
     return not engine_kind(cfg).own_processes and cfg.inference.device == "auto"
 
 

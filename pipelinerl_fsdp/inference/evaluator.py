@@ -20,9 +20,9 @@ from transformers import PreTrainedTokenizerBase
 from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.inference.engine import Engine, Request
 from pipelinerl_fsdp.rewards.scorer import Scorer
+from pipelinerl_fsdp.samples import EvalReport
 from pipelinerl_fsdp.tasks import Task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt
-from pipelinerl_fsdp.transport.rollouts import EvalReport
 
 # evaluation request ids start here, far above any rollout id (stream position x attempts)
 EVAL_RID_BASE = 1 << 50

@@ -20,19 +20,20 @@ from pathlib import Path
 
 import torch
 
-from pipelinerl_fsdp.checkpoint import read_meta, resume_point
+from pipelinerl_fsdp.checkpoint_layout import read_meta, resume_point
 from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.faults import maybe_fail
-from pipelinerl_fsdp.inference.engine import Request
+from pipelinerl_fsdp.inference.engine import Engine, Request
 from pipelinerl_fsdp.inference.evaluator import EngineEvaluator
 from pipelinerl_fsdp.inference.factory import build_engine
-from pipelinerl_fsdp.preflight import stop_token_ids
+from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import group_advantages
-from pipelinerl_fsdp.tasks import Problem, ProblemStream, make_task
-from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer
-from pipelinerl_fsdp.transport.rollouts import EvalReport, RolloutSender, Sample
-from pipelinerl_fsdp.transport.weights import STOP
+from pipelinerl_fsdp.samples import EvalReport, Sample
+from pipelinerl_fsdp.tasks import Problem, ProblemStream
+from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt
+from pipelinerl_fsdp.transport.rollouts import RolloutSender
+from pipelinerl_fsdp.transport.weights import STOP, WeightReceiver
 from pipelinerl_fsdp.world import World, waiting_for
 
 
@@ -45,17 +46,22 @@ class _Group:
 
 
 class InferenceWorker:
+    """The loop of one inference rank over its collaborators: the engine, the receiver of weight updates (headers
+    from the first trainer rank) and the sender of finished groups."""
+
     def __init__(
-        self, cfg: Config, world: World, model_path: str | Path, tokenizer_path: str, bucket_bytes: int
+        self,
+        cfg: Config,
+        world: World,
+        inputs: JobInputs,
+        engine: Engine,
+        receiver: WeightReceiver,
+        sender: RolloutSender,
     ) -> None:
         self.cfg, self.world = cfg, world
-        self.tokenizer = load_tokenizer(tokenizer_path)
-        self.stop_ids = stop_token_ids(model_path, self.tokenizer)
-        self.task = make_task(cfg.task)
+        self.tokenizer, self.stop_ids, self.task = inputs.tokenizer, inputs.stop_ids, inputs.task
         self.scorer = self.task.scorer()
-        inf = cfg.inference
-        self.engine, self.receiver = build_engine(cfg, world, str(model_path), tokenizer_path, bucket_bytes)
-        self.sender = RolloutSender(world.rollout_group, world.trainer_ranks[0], inf.max_queued_groups)
+        self.engine, self.receiver, self.sender = engine, receiver, sender
         n_inf = len(world.inference_ranks)
         self.stream = ProblemStream(self.task, cfg.job.seed, offset=world.inference_index, stride=n_inf)
         # a group's id is its problem's stream position: unique across engines, and the resume position
@@ -279,6 +285,9 @@ class InferenceWorker:
         self.engine.close()
 
 
-def run_inference(cfg: Config, world: World, model_path: str | Path, tokenizer_path: str, bucket_bytes: int) -> None:
+def run_inference(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int) -> None:
+    """This inference rank's engine, weight receiver and rollout sender, and its loop over them."""
     torch.manual_seed(cfg.job.seed + world.rank)
-    InferenceWorker(cfg, world, model_path, tokenizer_path, bucket_bytes).run()
+    engine, receiver = build_engine(cfg, world, inputs, bucket_bytes)
+    sender = RolloutSender(world.rollout_group, world.trainer_ranks[0], cfg.inference.max_queued_groups)
+    InferenceWorker(cfg, world, inputs, engine, receiver, sender).run()

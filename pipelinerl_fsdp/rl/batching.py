@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pipelinerl_fsdp.rl.packing import collate_packed, pack_into_bins
-from pipelinerl_fsdp.transport.rollouts import Sample
+from pipelinerl_fsdp.samples import Sample
 
 
 def sample_tokens(s: Sample) -> int:

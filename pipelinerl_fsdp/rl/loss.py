@@ -6,18 +6,9 @@ All inputs are per output token, flattened; `mask` is 1 on tokens that count (ge
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class LossSettings:
-    kind: str = "reinforce"  # "reinforce" | "ppo"
-    is_clip: float = 5.0  # c: importance weights are truncated at c
-    ppo_eps: float = 0.2
-    kl_coef: float = 0.0
-
+from pipelinerl_fsdp.rl.objectives import OBJECTIVES, LossSettings
 
 # |log pi_ref - log pi| is clamped here before exp() in the k3 estimator: one token the policy has moved far from
 # the reference would otherwise give an unbounded penalty and gradient (PipelineRL clamps it the same way).
@@ -44,19 +35,11 @@ def policy_loss(
     """
     log_ratio = (logp - behaviour_logp).clamp(max=30.0)  # exp() stays finite for wildly stale tokens
     rho = torch.exp(log_ratio)
-    rho_bar = rho.clamp(max=settings.is_clip).detach()
-    if settings.kind == "reinforce":
-        per_token = -rho_bar * advantages * logp
-        clipped = (rho > settings.is_clip).float()
-        weights = rho_bar
-    elif settings.kind == "ppo":
-        unclipped = rho * advantages
-        clipped_obj = rho.clamp(1 - settings.ppo_eps, 1 + settings.ppo_eps) * advantages
-        per_token = -torch.minimum(unclipped, clipped_obj)
-        clipped = (clipped_obj < unclipped).float()
-        weights = rho.detach()
-    else:
-        raise ValueError(f"unknown loss kind {settings.kind!r}; choose 'reinforce' or 'ppo'")
+    objective = OBJECTIVES.get(settings.kind)
+    if objective is None:
+        raise ValueError(f"unknown loss kind {settings.kind!r}; registered: {sorted(OBJECTIVES)}")
+    out = objective(rho, advantages, logp, settings)
+    per_token, clipped, weights = out.loss, out.clipped, out.weights
     loss = (per_token * mask).sum()
     kl_sum = 0.0
     if ref_logp is not None and settings.kl_coef > 0:

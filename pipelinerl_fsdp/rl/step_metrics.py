@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pipelinerl_fsdp.rewards.outcomes import OUTCOMES
 from pipelinerl_fsdp.rl.ess import ess_from_sums
-from pipelinerl_fsdp.transport.rollouts import Sample
+from pipelinerl_fsdp.samples import Sample
 
 # Sums the loss reports per micro-batch, reduced over the trainer ranks (see rl.loss.policy_loss).
 LOSS_SUMS = ("sum_rho", "sum_rho2", "sum_w", "sum_w2", "tokens", "entropy", "clipped", "kl")

@@ -138,29 +138,6 @@ def register_task(name: str) -> Callable[[T], T]:
     return deco
 
 
-def task_class(name: str) -> type[Task]:
-    from pipelinerl_fsdp import tasks  # noqa: F401  (imports every task module, filling TASKS)
-
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; registered tasks: {', '.join(sorted(TASKS))}")
-    return TASKS[name]
-
-
-_BUILT: dict[str, Task] = {}
-
-
-def make_task(cfg: TaskConfig) -> Task:
-    """The task named by `cfg.name`, built from its config (once per process and config: a task from files reads
-    and checks them when built)."""
-    key = repr(cfg)
-    if key not in _BUILT:
-        cls = task_class(cfg.name)
-        if not isinstance(cfg, cls.config_class):
-            raise TypeError(f"task {cfg.name!r} needs a {cls.config_class.__name__}, got {type(cfg).__name__}")
-        _BUILT[key] = cls(cfg)
-    return _BUILT[key]
-
-
 class ProblemStream(BaseNode[Problem]):
     """An endless, resumable stream of training problems (torchdata node; state = next index).
 

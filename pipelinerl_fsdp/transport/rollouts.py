@@ -13,11 +13,11 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from pipelinerl_fsdp.samples import EvalReport, Sample
 from pipelinerl_fsdp.stopping import StopRequested
 
 HEADER_TAG, INTS_TAG, FLOATS_TAG = 1, 2, 3
@@ -35,32 +35,6 @@ ENGINE_STATS = (
     "seq_s",
     "send_blocked_s",
 )
-
-
-@dataclass
-class Sample:
-    """One attempt at one prompt, with everything the trainer needs."""
-
-    group_id: int
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]  # behaviour log-prob of each completion token (under the sampling distribution)
-    versions: list[int]  # policy version that produced each completion token
-    reward: float
-    advantage: float = 0.0
-    finished: bool = True  # ended on a stop token (False: cut at max_tokens)
-    outcome: int = 0  # rewards.outcomes.OUTCOMES index: what the reward function concluded
-
-
-@dataclass
-class EvalReport:
-    """One engine's share of one evaluation set at one policy version: correct samples per problem."""
-
-    set_index: int
-    version: int
-    samples: int  # completions per problem
-    problems: list[int]  # indices into the set
-    correct: list[int]  # correct completions of each problem
 
 
 def encode_samples(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipelinerl_fsdp.config import load_config
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
 from pipelinerl_fsdp.models.hf_io import read_state_dict
 from pipelinerl_fsdp.policy import load_sharded

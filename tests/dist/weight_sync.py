@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from pipelinerl_fsdp.config import load_config
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.parallelize import apply_fsdp
 from pipelinerl_fsdp.transport.weights import IN_FLIGHT, STOP, UPDATE, WeightReceiver, WeightSender

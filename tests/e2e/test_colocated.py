@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT
-from pipelinerl_fsdp.checkpoint import exported_policies
+from pipelinerl_fsdp.checkpoint_layout import exported_policies
 
 pytestmark = pytest.mark.slow
 

@@ -168,7 +168,7 @@ def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc,
     assert recs[-1]["eval/heldout/version"] == 12 and recs[-1]["eval/heldout/problems"] == 500
     # ...and never trained on: every trained sample (all 12 batches dumped) is a training problem, none of the
     # 500 evaluation prompts, which the engines generated for three times meanwhile
-    from pipelinerl_fsdp.config import load_config
+    from pipelinerl_fsdp.configure import load_config
     from pipelinerl_fsdp.tasks import make_task
 
     eval_prompts = {p.prompt for p in make_task(load_config(["--config", "arithmetic"]).task).eval_split()}
@@ -294,7 +294,7 @@ def test_a_failing_rank_brings_the_job_down_quickly(warm_folder, tmp_path, rank)
 def test_checkpoint_resume_restores_the_trainer_exactly(warm_folder, tmp_path):
     from safetensors.torch import load_file
 
-    from pipelinerl_fsdp.checkpoint import exported_policies
+    from pipelinerl_fsdp.checkpoint_layout import exported_policies
 
     ck = f"--checkpoint.folder={tmp_path}/ck"
     r = short_run(
@@ -383,7 +383,7 @@ def test_a_signal_to_the_launcher_stops_every_process_quickly(warm_folder, tmp_p
     """Ctrl-C or SIGTERM to torchrun: the job ends within 30 s, the trainer saved a checkpoint of the last step it
     finished (checkpoints every 50 steps: none was written before), no process of it (vLLM's included) is left,
     and the next start resumes from that checkpoint without a step lost or logged twice."""
-    from pipelinerl_fsdp.checkpoint import newest_intact
+    from pipelinerl_fsdp.checkpoint_layout import newest_intact
     from pipelinerl_fsdp.processes import alive, descendants
 
     args = short_run_args(1, warm_folder, tmp_path, "--checkpoint.interval=50", "--metrics.log_every=1")

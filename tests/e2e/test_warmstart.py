@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import WARMSTART_ARGS, torchrun
-from pipelinerl_fsdp.config import load_config
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.evaluation import greedy_accuracy
 from pipelinerl_fsdp.models import load_hf_model
 from pipelinerl_fsdp.tasks import make_task

@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from pipelinerl_fsdp.checkpoint import damage, newest_intact
-from pipelinerl_fsdp.config import _CHECKS, Config, ConfigError, _sections, load_config
+from pipelinerl_fsdp.checkpoint_layout import damage, newest_intact
+from pipelinerl_fsdp.config import _CHECKS, Config, ConfigError, _sections
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models.hf_io import read_model_args, read_state_dict
-from pipelinerl_fsdp.tasks.base import TASKS, task_class
+from pipelinerl_fsdp.tasks import TASKS, task_class
 from pipelinerl_fsdp.tokenizer import load_tokenizer
 
 # numeric keys where every value of the type is meaningful
@@ -167,7 +168,7 @@ def test_checkpoint_folders_empty_partial_or_corrupt(tmp_path):
 
 
 def test_resume_from_a_missing_or_partial_checkpoint_is_a_config_error(tmp_path):
-    from pipelinerl_fsdp.checkpoint import resume_point
+    from pipelinerl_fsdp.checkpoint_layout import resume_point
 
     with pytest.raises(ConfigError, match=r"checkpoint\.resume_from = .*: no such folder"):
         resume_point(load_config([f"--checkpoint.resume_from={tmp_path}/nowhere"]))

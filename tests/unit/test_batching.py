@@ -7,7 +7,7 @@ import random
 import torch
 
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, sample_tokens, split_balanced
-from pipelinerl_fsdp.transport.rollouts import Sample
+from pipelinerl_fsdp.samples import Sample
 
 
 def sample(n_prompt: int, n_comp: int, adv: float = 0.5, gid: int = 0) -> Sample:

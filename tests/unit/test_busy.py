@@ -6,7 +6,7 @@ import pytest
 
 from pipelinerl_fsdp.inference.busy import BusyClock
 from pipelinerl_fsdp.rl.step_metrics import EngineCounters, StepTimes, step_metrics
-from pipelinerl_fsdp.transport.rollouts import Sample
+from pipelinerl_fsdp.samples import Sample
 
 
 class Clock:

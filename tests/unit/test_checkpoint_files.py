@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelinerl_fsdp.checkpoint import damage, newest_intact, resume_point
-from pipelinerl_fsdp.config import ConfigError, load_config
+from pipelinerl_fsdp.checkpoint_layout import damage, newest_intact, resume_point
+from pipelinerl_fsdp.config import ConfigError
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.metrics import MetricsLogger
 
 

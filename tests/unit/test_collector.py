@@ -9,7 +9,7 @@ import pytest
 
 from pipelinerl_fsdp.collector import Collector, group_lag, split_stale
 from pipelinerl_fsdp.config import RLConfig
-from pipelinerl_fsdp.transport.rollouts import Sample
+from pipelinerl_fsdp.samples import Sample
 
 
 def group(gid: int, versions: list[list[int]], rewards: list[float] | None = None) -> list[Sample]:

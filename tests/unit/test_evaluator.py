@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelinerl_fsdp.config import load_config
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference.evaluator import EVAL_RID_BASE, EngineEvaluator, evaluate_alone
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
 from pipelinerl_fsdp.models import build_model, flavour_args

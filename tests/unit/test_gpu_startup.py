@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from pipelinerl_fsdp import gpus, world
-from pipelinerl_fsdp.config import ConfigError, load_config
+from pipelinerl_fsdp.config import ConfigError
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference import vllm_engine
 from pipelinerl_fsdp.inference.placement import VLLMPlacement
 from pipelinerl_fsdp.inference.vllm_extension import output_token_counts

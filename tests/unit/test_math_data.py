@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelinerl_fsdp.config import ConfigError, load_config
+from pipelinerl_fsdp.config import ConfigError
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.data.fields import field_spec, gold_from, problem_fields
 from pipelinerl_fsdp.data.files import DataError, Record, read_records
 from pipelinerl_fsdp.tasks import ProblemStream, make_task

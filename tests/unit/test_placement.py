@@ -7,7 +7,8 @@ from unittest import mock
 import pytest
 import torch
 
-from pipelinerl_fsdp.config import ConfigError, load_config
+from pipelinerl_fsdp.config import ConfigError
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.cpu_binding import engine_slice, trainer_slice
 from pipelinerl_fsdp.inference.placement import engine_dtype, rank_cores, vllm_placement
 from pipelinerl_fsdp.world import World, job_backend

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from pipelinerl_fsdp.config import ConfigError, load_config
+from pipelinerl_fsdp.config import ConfigError
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.preflight import (
     check_sequence_budget,
     engine_max_len,

@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from pipelinerl_fsdp.transport.rollouts import Sample, decode_samples, encode_samples
+from pipelinerl_fsdp.samples import Sample
+from pipelinerl_fsdp.transport.rollouts import decode_samples, encode_samples
 
 
 def test_ragged_roundtrip():

@@ -12,7 +12,7 @@ from pipelinerl_fsdp.rl.step_metrics import (
     update_pauses,
     zero_advantage_group_frac,
 )
-from pipelinerl_fsdp.transport.rollouts import Sample
+from pipelinerl_fsdp.samples import Sample
 
 
 def s(versions: list[int], reward: float, finished: bool = True) -> Sample:
@@ -86,7 +86,7 @@ def test_pass_at_k_hand_computed():
 
 def test_eval_reports_join_over_engines():
     from pipelinerl_fsdp.evaluation import EvalAggregator
-    from pipelinerl_fsdp.transport.rollouts import EvalReport
+    from pipelinerl_fsdp.samples import EvalReport
 
     agg = EvalAggregator(["a", "b"], n_engines=2, pass_k=[1, 2])
     assert agg.add(EvalReport(0, 10, 2, [0, 2], [2, 0])) == {}  # engine 0's share: waiting for engine 1

@@ -19,9 +19,10 @@ import torch.multiprocessing as mp
 from pipelinerl_fsdp import stopping
 from pipelinerl_fsdp.collector import Collector
 from pipelinerl_fsdp.config import RLConfig
+from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.stopping import StopRequested
 from pipelinerl_fsdp.transport import weights
-from pipelinerl_fsdp.transport.rollouts import Sample, scatter_samples
+from pipelinerl_fsdp.transport.rollouts import scatter_samples
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

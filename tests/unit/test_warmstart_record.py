@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from pipelinerl_fsdp.config import Config, load_config
+from pipelinerl_fsdp.config import Config
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.tasks import Task, make_task
 from pipelinerl_fsdp.warmstart import HELD_OUT_FILE, held_out_fingerprints, held_out_problem
 

@@ -1,0 +1,115 @@
+"""The package's layers: no import cycle (lazy imports included; imports for type checking only are not imports),
+the config schema depends on nothing of ours, and every module imports on its own."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[2] / "pipelinerl_fsdp"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node, less the bodies of `if TYPE_CHECKING:` blocks."""
+    out, todo = [], [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (at the top or inside functions)."""
+    mods = {module_name(p): p for p in PKG.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, path in mods.items():
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            graph[m].update(t for t in targets if t in mods and t != m)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_has_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_config_schema_imports_nothing_of_ours():
+    assert import_graph()["pipelinerl_fsdp.config"] == set()
+
+
+def test_each_module_imports_on_its_own():
+    """Each module imported with none of ours loaded before it (third-party packages stay loaded: fast), in a
+    forked child so that this process's modules are untouched."""
+    names = sorted(module_name(p) for p in PKG.rglob("*.py"))
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        failures = []
+        for name in names:
+            for m in [m for m in sys.modules if m == "pipelinerl_fsdp" or m.startswith("pipelinerl_fsdp.")]:
+                del sys.modules[m]
+            try:
+                importlib.import_module(name)
+            except BaseException as e:  # noqa: BLE001  (reported to the parent)
+                failures.append(f"import {name}: {type(e).__name__}: {e}")
+        os.write(write, "\n".join(failures).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as f:
+        failures = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and not failures, failures
