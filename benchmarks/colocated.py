@@ -39,10 +39,7 @@ from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.placement import engine_dtype
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
-from pipelinerl_fsdp.metrics import MetricsLogger, rl_console
 from pipelinerl_fsdp.models.hf_io import load_hf_model, save_hf_folder
-from pipelinerl_fsdp.parallelize import DTYPES, apply_fsdp, full_state_dict, resolve_fp32_head, resolve_param_dtype
-from pipelinerl_fsdp.policy import build_policy
 from pipelinerl_fsdp.preflight import engine_max_len, sequence_limits, stop_token_ids
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import group_advantages
@@ -52,7 +49,16 @@ from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes
 from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.tasks import ProblemStream, make_task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer
-from pipelinerl_fsdp.train_step import forward_backward, rl_loss_fn
+from pipelinerl_fsdp.training.metrics import MetricsLogger, rl_console
+from pipelinerl_fsdp.training.parallelize import (
+    DTYPES,
+    apply_fsdp,
+    full_state_dict,
+    resolve_fp32_head,
+    resolve_param_dtype,
+)
+from pipelinerl_fsdp.training.policy import build_policy
+from pipelinerl_fsdp.training.train_step import forward_backward, rl_loss_fn
 
 
 def free_port() -> int:

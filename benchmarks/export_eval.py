@@ -33,11 +33,11 @@ sys.path.insert(0, str(ROOT))
 from pipelinerl_fsdp.checkpoint_layout import exported_policies  # noqa: E402
 from pipelinerl_fsdp.config import Config  # noqa: E402
 from pipelinerl_fsdp.configure import load_config  # noqa: E402
-from pipelinerl_fsdp.evaluation import greedy_accuracy  # noqa: E402
 from pipelinerl_fsdp.models.hf_io import load_hf_model  # noqa: E402
 from pipelinerl_fsdp.preflight import stop_token_ids  # noqa: E402
 from pipelinerl_fsdp.tasks import make_task  # noqa: E402
 from pipelinerl_fsdp.tokenizer import load_tokenizer  # noqa: E402
+from pipelinerl_fsdp.training.evaluation import greedy_accuracy  # noqa: E402
 
 
 def crossing(xs: list[float], ys: list[float], target: float) -> float | None:

@@ -1,11 +1,11 @@
-"""Peak host memory measured on CPU for scaled-down shapes, next to what the memory plan (`pipelinerl_fsdp/plan.py`,
+"""Peak host memory measured on CPU for scaled-down shapes, next to what the memory plan (`pipelinerl_fsdp/job/plan.py`,
 `--job.stage=plan`) predicts for the same shapes. The plan sizes 7B jobs on GPUs no session can try; this checks
 its formulas where they can be measured.
 
     python benchmarks/memory_vs_plan.py [--quick] [--out benchmarks/results/memory_vs_plan.json]
 
 Each item runs in a fresh process (two ranks under torchrun where the item has two sides); the measured number is
-the peak growth of the process's anonymous resident memory over the item (`pipelinerl_fsdp/host_memory.py`: the
+the peak growth of the process's anonymous resident memory over the item (`pipelinerl_fsdp/job/host_memory.py`: the
 page cache of memory-mapped files left out, freed heap given back before the baseline; large allocations go
 through mmap so that a freed tensor leaves the process). Items, fp32:
 
@@ -35,15 +35,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipelinerl_fsdp.configure import load_config  # noqa: E402
-from pipelinerl_fsdp.host_memory import PeakAnon  # noqa: E402
-from pipelinerl_fsdp.models import build_model, flavour_args  # noqa: E402
-from pipelinerl_fsdp.models.args import ModelArgs  # noqa: E402
-from pipelinerl_fsdp.plan import (  # noqa: E402
+from pipelinerl_fsdp.job.host_memory import PeakAnon  # noqa: E402
+from pipelinerl_fsdp.job.plan import (  # noqa: E402
     attention_extra_bytes,
     load_host_memory,
     trainer_memory,
     weight_sync_buffers,
 )
+from pipelinerl_fsdp.models import build_model, flavour_args  # noqa: E402
+from pipelinerl_fsdp.models.args import ModelArgs  # noqa: E402
 
 MB = 1 << 20
 # the 1-process items run without torchrun; init_world makes a 1-rank gloo group
@@ -82,8 +82,8 @@ def result(**kw: object) -> None:
 
 
 def item_step(checkpointing: str, quick: bool) -> None:
-    from pipelinerl_fsdp.policy import build_policy, shard
-    from pipelinerl_fsdp.world import init_world
+    from pipelinerl_fsdp.job.world import init_world
+    from pipelinerl_fsdp.training.policy import build_policy, shard
 
     args, tokens = step_shape(quick)
     cfg = load_config(
@@ -149,9 +149,9 @@ def item_attention(quick: bool) -> None:
 def item_load(folder: Path, quick: bool) -> None:
     import torch.distributed as dist
 
+    from pipelinerl_fsdp.job.world import init_world
     from pipelinerl_fsdp.models import save_hf_folder
-    from pipelinerl_fsdp.policy import load_sharded
-    from pipelinerl_fsdp.world import init_world
+    from pipelinerl_fsdp.training.policy import load_sharded
 
     cfg = load_config([*BASE_ARGS, "--world.inference_ranks=0"])
     world = init_world(cfg)
@@ -201,10 +201,10 @@ def item_sync(quick: bool) -> None:
     import torch.distributed as dist
 
     from pipelinerl_fsdp.inference.vllm_extension import WeightUpdateExtension
-    from pipelinerl_fsdp.parallelize import apply_fsdp
+    from pipelinerl_fsdp.job.world import init_world
+    from pipelinerl_fsdp.training.parallelize import apply_fsdp
     from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
     from pipelinerl_fsdp.transport.weights import WeightReceiver, WeightSender
-    from pipelinerl_fsdp.world import init_world
 
     cfg = load_config([*BASE_ARGS, "--world.inference_ranks=1"])
     world = init_world(cfg)

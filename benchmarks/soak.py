@@ -26,7 +26,7 @@ from pathlib import Path
 from torchrun_job import ROOT, job_command, read_metrics
 
 sys.path.insert(0, str(ROOT))
-from pipelinerl_fsdp.processes import descendants, parent_of  # noqa: E402
+from pipelinerl_fsdp.job.processes import descendants, parent_of  # noqa: E402
 
 
 def rss_mb(pid: int) -> float | None:

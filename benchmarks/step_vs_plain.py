@@ -35,12 +35,12 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from pipelinerl_fsdp.config import OptimizerConfig
 from pipelinerl_fsdp.models import build_model, flavour_args
-from pipelinerl_fsdp.optim import build_optimizer
-from pipelinerl_fsdp.parallelize import apply_fsdp
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
 from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
 from pipelinerl_fsdp.samples import Sample
-from pipelinerl_fsdp.train_step import clip_and_step, forward_backward
+from pipelinerl_fsdp.training.optim import build_optimizer
+from pipelinerl_fsdp.training.parallelize import apply_fsdp
+from pipelinerl_fsdp.training.train_step import clip_and_step, forward_backward
 from pipelinerl_fsdp.transport.weights import WeightSender
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,11 +26,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipelinerl_fsdp.config import OptimizerConfig
 from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.job.plan import trainer_memory
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.models.decoder import Documents, document_attention
-from pipelinerl_fsdp.optim import build_optimizer
-from pipelinerl_fsdp.parallelize import apply_activation_checkpointing, apply_fsdp, resolve_fp32_head
-from pipelinerl_fsdp.plan import trainer_memory
+from pipelinerl_fsdp.training.optim import build_optimizer
+from pipelinerl_fsdp.training.parallelize import apply_activation_checkpointing, apply_fsdp, resolve_fp32_head
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -33,12 +33,12 @@ from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement
 from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine
 from pipelinerl_fsdp.inference.vllm_load import LOADS
+from pipelinerl_fsdp.job.world import init_world
 from pipelinerl_fsdp.models import FLAVOURS, build_model, flavour_args, save_hf_folder
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer
 from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import WeightReceiver, WeightSender
-from pipelinerl_fsdp.world import init_world
 
 BUCKET = 64 * 1024**2
 

@@ -297,7 +297,7 @@ class MetricsConfig:
 
 @dataclass
 class PlanConfig:
-    """The cluster `--job.stage=plan` lays the job out on (see pipelinerl_fsdp/plan.py)."""
+    """The cluster `--job.stage=plan` lays the job out on (see pipelinerl_fsdp/job/plan.py)."""
 
     nodes: int = 1
     gpus_per_node: int = 8

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipelinerl_fsdp import stopping
 from pipelinerl_fsdp.config import Config, ConfigError, save_resolved
 from pipelinerl_fsdp.configure import load_config, validate_world
-from pipelinerl_fsdp.processes import kill_descendants
-from pipelinerl_fsdp.stopping import StopRequested
-from pipelinerl_fsdp.world import World, init_world, job_flags, shutdown
+from pipelinerl_fsdp.job import stopping
+from pipelinerl_fsdp.job.processes import kill_descendants
+from pipelinerl_fsdp.job.stopping import StopRequested
+from pipelinerl_fsdp.job.world import World, init_world, job_flags, shutdown
 
 if TYPE_CHECKING:
     from pipelinerl_fsdp.job_inputs import JobInputs
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 def run_rl(cfg: Config, world: World) -> None:
     """Warm start (trainer ranks, if its folder is missing) unless model.path is given, then PipelineRL."""
     from pipelinerl_fsdp.inference.worker import run_inference
-    from pipelinerl_fsdp.trainer import run_trainer
-    from pipelinerl_fsdp.warmstart import run_warmstart
+    from pipelinerl_fsdp.training.rl_trainer import run_trainer
+    from pipelinerl_fsdp.training.warmstart import run_warmstart
 
     path = cfg.model.path
     if not path:
@@ -61,8 +61,8 @@ def bind_cpu_cores(cfg: Config, world: World) -> None:
     """CPU jobs (`job.bind_cores`): bind every thread of this rank (gloo's I/O loops included), and what it starts
     from now on (vLLM, reward workers), to its cores; after the warm start, which lets the trainers use every core
     while the engines wait."""
-    from pipelinerl_fsdp import cpu_binding
     from pipelinerl_fsdp.inference.placement import rank_cores
+    from pipelinerl_fsdp.job import cpu_binding
 
     if world.backend == "nccl" or not cfg.job.bind_cores:
         return
@@ -88,7 +88,7 @@ def run(cfg: Config) -> None:
     if world.is_main:
         save_resolved(cfg, cfg.job.output_dir)
     if cfg.job.stage == "warmstart":
-        from pipelinerl_fsdp.warmstart import run_warmstart
+        from pipelinerl_fsdp.training.warmstart import run_warmstart
 
         if world.is_trainer:
             run_warmstart(cfg, world)
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return 2
     if cfg.job.stage == "plan":
-        from pipelinerl_fsdp.plan import make_plan
+        from pipelinerl_fsdp.job.plan import make_plan
 
         try:
             text, problems = make_plan(cfg)

@@ -45,7 +45,7 @@ def landed(device: torch.device, rank: int, world_size: int) -> tuple[dist.Proce
 
 def fixed(device: torch.device) -> tuple[dist.ProcessGroup, dist.ProcessGroup, torch.device]:
     from pipelinerl_fsdp.configure import load_config
-    from pipelinerl_fsdp.world import init_world
+    from pipelinerl_fsdp.job.world import init_world
 
     cfg = load_config(
         ["--job.stage=rl", "--world.inference_ranks=1", "--inference.engine=vllm", f"--job.device={device.type}"]

@@ -16,8 +16,8 @@ import torch
 
 if TYPE_CHECKING:
     from pipelinerl_fsdp.config import Config
+    from pipelinerl_fsdp.job.world import World
     from pipelinerl_fsdp.transport.weights import WeightReceiver
-    from pipelinerl_fsdp.world import World
 
 
 @dataclass

@@ -9,9 +9,9 @@ from pipelinerl_fsdp.inference.kinds import engine_class, engine_kind
 
 if TYPE_CHECKING:
     from pipelinerl_fsdp.inference.engine import Engine
+    from pipelinerl_fsdp.job.world import World
     from pipelinerl_fsdp.job_inputs import JobInputs
     from pipelinerl_fsdp.transport.weights import WeightReceiver
-    from pipelinerl_fsdp.world import World
 
 
 def build_engine(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int) -> tuple[Engine, WeightReceiver]:

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pipelinerl_fsdp import cpu_binding
 from pipelinerl_fsdp.config import Config, ConfigError
-from pipelinerl_fsdp.gpus import gpu_count
-from pipelinerl_fsdp.world import World
+from pipelinerl_fsdp.job import cpu_binding
+from pipelinerl_fsdp.job.gpus import gpu_count
+from pipelinerl_fsdp.job.world import World
 
 
 @dataclass

@@ -22,10 +22,11 @@ import torch
 
 from pipelinerl_fsdp.checkpoint_layout import read_meta, resume_point
 from pipelinerl_fsdp.config import Config
-from pipelinerl_fsdp.faults import maybe_fail
 from pipelinerl_fsdp.inference.engine import Engine, Request
 from pipelinerl_fsdp.inference.evaluator import EngineEvaluator
 from pipelinerl_fsdp.inference.factory import build_engine
+from pipelinerl_fsdp.job.faults import maybe_fail
+from pipelinerl_fsdp.job.world import World, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import group_advantages
@@ -34,7 +35,6 @@ from pipelinerl_fsdp.tasks import Problem, ProblemStream
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt
 from pipelinerl_fsdp.transport.rollouts import RolloutSender
 from pipelinerl_fsdp.transport.weights import STOP, WeightReceiver
-from pipelinerl_fsdp.world import World, waiting_for
 
 
 @dataclass

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from pipelinerl_fsdp.job.stopping import StopRequested
 from pipelinerl_fsdp.samples import EvalReport, Sample
-from pipelinerl_fsdp.stopping import StopRequested
 
 HEADER_TAG, INTS_TAG, FLOATS_TAG = 1, 2, 3
 DATA, DONE, EVAL = 1, 2, 3

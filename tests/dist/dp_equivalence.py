@@ -12,12 +12,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
-from pipelinerl_fsdp.parallelize import apply_fsdp
+from pipelinerl_fsdp.training.parallelize import apply_fsdp
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
 from pipelinerl_fsdp.rl.loss import LossSettings
-from pipelinerl_fsdp.train_step import forward_backward, rl_loss_fn
+from pipelinerl_fsdp.training.train_step import forward_backward, rl_loss_fn
 from pipelinerl_fsdp.samples import Sample
-from pipelinerl_fsdp.world import init_world
+from pipelinerl_fsdp.job.world import init_world
 
 ARGS = flavour_args("debug", vocab_size=30)
 BATCH = 8

@@ -11,17 +11,17 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl_fsdp.checkpoint_layout import latest_checkpoint
-from pipelinerl_fsdp.checkpoint import load_checkpoint, save_checkpoint
+from pipelinerl_fsdp.training.checkpoint import load_checkpoint, save_checkpoint
 from pipelinerl_fsdp.config import OptimizerConfig
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
-from pipelinerl_fsdp.optim import build_optimizer
-from pipelinerl_fsdp.parallelize import apply_fsdp, full_state_dict
+from pipelinerl_fsdp.training.optim import build_optimizer
+from pipelinerl_fsdp.training.parallelize import apply_fsdp, full_state_dict
 from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
-from pipelinerl_fsdp.train_step import clip_and_step, forward_backward
+from pipelinerl_fsdp.training.train_step import clip_and_step, forward_backward
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
 from pipelinerl_fsdp.samples import Sample
-from pipelinerl_fsdp.world import init_world
+from pipelinerl_fsdp.job.world import init_world
 
 ARGS = flavour_args("debug", vocab_size=30)
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
 from pipelinerl_fsdp.models.hf_io import read_state_dict
-from pipelinerl_fsdp.policy import load_sharded
-from pipelinerl_fsdp.world import init_world
+from pipelinerl_fsdp.training.policy import load_sharded
+from pipelinerl_fsdp.job.world import init_world
 
 
 def rss_mb() -> float:

@@ -33,7 +33,7 @@ from pipelinerl_fsdp.tasks.arithmetic import ALPHABET  # noqa: E402
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer  # noqa: E402
 from pipelinerl_fsdp.transport.store_group import join_store_group, store_address  # noqa: E402
 from pipelinerl_fsdp.transport.weights import STOP, UPDATE, WeightReceiver, WeightSender  # noqa: E402
-from pipelinerl_fsdp.world import init_world  # noqa: E402
+from pipelinerl_fsdp.job.world import init_world  # noqa: E402
 
 # The update is taken once a request has generated LANDING tokens (vLLM streams each step's output), so it lands
 # mid-sequence whatever the machine's speed. Timing it instead (send ~0.15 s in) failed in CI when the trainer

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
-from pipelinerl_fsdp.parallelize import apply_fsdp
+from pipelinerl_fsdp.training.parallelize import apply_fsdp
 from pipelinerl_fsdp.transport.weights import IN_FLIGHT, STOP, UPDATE, WeightReceiver, WeightSender
-from pipelinerl_fsdp.world import init_world
+from pipelinerl_fsdp.job.world import init_world
 
 # vocabulary 51: the embedding splits unevenly over 2 ranks (gathered with full_tensor), the rest evenly (gathered
 # straight into the send buffer)

@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 
 from conftest import WARMSTART_ARGS, torchrun
 from pipelinerl_fsdp.configure import load_config
-from pipelinerl_fsdp.evaluation import greedy_accuracy
 from pipelinerl_fsdp.models import load_hf_model
 from pipelinerl_fsdp.tasks import make_task
 from pipelinerl_fsdp.tokenizer import load_tokenizer
+from pipelinerl_fsdp.training.evaluation import greedy_accuracy
 
 pytestmark = pytest.mark.slow
 WARMSTART = WARMSTART_ARGS

@@ -11,7 +11,7 @@ import pytest
 from pipelinerl_fsdp.checkpoint_layout import damage, newest_intact, resume_point
 from pipelinerl_fsdp.config import ConfigError
 from pipelinerl_fsdp.configure import load_config
-from pipelinerl_fsdp.metrics import MetricsLogger
+from pipelinerl_fsdp.training.metrics import MetricsLogger
 
 
 def fake_checkpoint(folder: Path, step: int, complete: bool = True) -> Path:
@@ -72,7 +72,7 @@ def test_a_resumed_logger_drops_the_failed_attempts_later_steps(tmp_path):
 FULL_DISK_SAVE = """
 import resource, signal, sys
 import torch, torch.distributed as dist
-from pipelinerl_fsdp.checkpoint import save_checkpoint
+from pipelinerl_fsdp.training.checkpoint import save_checkpoint
 
 folder = sys.argv[1]
 # a file rendezvous: no port to race for with anything else on the machine

@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from pipelinerl_fsdp.collector import Collector, group_lag, split_stale
 from pipelinerl_fsdp.config import RLConfig
 from pipelinerl_fsdp.samples import Sample
+from pipelinerl_fsdp.training.collector import Collector, group_lag, split_stale
 
 
 def group(gid: int, versions: list[list[int]], rewards: list[float] | None = None) -> list[Sample]:
@@ -134,7 +134,7 @@ def test_stream_positions_per_engine_for_resume():
 
 
 def test_no_rollouts_is_a_named_error(monkeypatch):
-    from pipelinerl_fsdp import stopping
+    from pipelinerl_fsdp.job import stopping
 
     monkeypatch.setattr(stopping, "explains_failure", lambda wait_s=5.0: False)  # no stop signal comes
     src = FakeSource([])

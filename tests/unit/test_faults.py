@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelinerl_fsdp.faults import InjectedFault, maybe_fail
+from pipelinerl_fsdp.job.faults import InjectedFault, maybe_fail
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_a_bad_spec_is_named(fault, spec, msg):
 
 
 def test_a_failed_exchange_says_what_it_waited_for():
-    from pipelinerl_fsdp.world import waiting_for
+    from pipelinerl_fsdp.job.world import waiting_for
 
     with pytest.raises(
         RuntimeError,

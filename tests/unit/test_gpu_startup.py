@@ -14,12 +14,12 @@ from unittest import mock
 import pytest
 import torch
 
-from pipelinerl_fsdp import gpus, world
 from pipelinerl_fsdp.config import ConfigError
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference import vllm_engine
 from pipelinerl_fsdp.inference.placement import VLLMPlacement
 from pipelinerl_fsdp.inference.vllm_extension import output_token_counts
+from pipelinerl_fsdp.job import gpus, world
 from pipelinerl_fsdp.transport import store_group
 from pipelinerl_fsdp.transport.device_waits import wait_on_host
 

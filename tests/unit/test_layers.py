@@ -113,3 +113,17 @@ def test_each_module_imports_on_its_own():
         failures = f.read()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0 and not failures, failures
+
+
+def test_the_readme_layout_table_names_every_module():
+    rows = [line for line in (PKG.parent / "README.md").read_text().splitlines() if line.startswith("| `")]
+    missing = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        folder = path.parent.relative_to(PKG).as_posix() + "/"
+        named = any(f"`{rel}`" in r for r in rows) or any(
+            f"`{folder}`" in r and (path.name == "__init__.py" or f"`{path.name}`" in r) for r in rows
+        )
+        if not named:
+            missing.append(rel)
+    assert not missing, f"README.md's layout table does not name {missing}"

@@ -8,7 +8,7 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from pipelinerl_fsdp.metrics import MetricsLogger
+from pipelinerl_fsdp.training.metrics import MetricsLogger
 
 
 def ev(name: str, version: int, acc: float) -> dict[str, float]:

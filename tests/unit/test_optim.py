@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipelinerl_fsdp.config import OptimizerConfig
-from pipelinerl_fsdp.optim import build_optimizer, lr_factor
+from pipelinerl_fsdp.training.optim import build_optimizer, lr_factor
 
 
 def test_warmup_is_linear_then_cosine_reaches_the_floor():
@@ -40,7 +40,7 @@ def test_build_optimizer_uses_every_field():
 
 
 def test_a_non_finite_gradient_applies_nothing():
-    from pipelinerl_fsdp.train_step import clip_and_step
+    from pipelinerl_fsdp.training.train_step import clip_and_step
 
     model = torch.nn.Linear(2, 1)
     opt, sched = build_optimizer(model.parameters(), OptimizerConfig(lr=0.1, warmup_steps=0), total_steps=10)

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipelinerl_fsdp.models import build_model, flavour_args
-from pipelinerl_fsdp.parallelize import apply_activation_checkpointing, apply_fsdp, resolve_fp32_head
-from pipelinerl_fsdp.train_step import forward_backward
+from pipelinerl_fsdp.training.parallelize import apply_activation_checkpointing, apply_fsdp, resolve_fp32_head
+from pipelinerl_fsdp.training.train_step import forward_backward
 
 ARGS = flavour_args("debug", vocab_size=64)
 

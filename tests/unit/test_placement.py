@@ -9,9 +9,9 @@ import torch
 
 from pipelinerl_fsdp.config import ConfigError
 from pipelinerl_fsdp.configure import load_config
-from pipelinerl_fsdp.cpu_binding import engine_slice, trainer_slice
 from pipelinerl_fsdp.inference.placement import engine_dtype, rank_cores, vllm_placement
-from pipelinerl_fsdp.world import World, job_backend
+from pipelinerl_fsdp.job.cpu_binding import engine_slice, trainer_slice
+from pipelinerl_fsdp.job.world import World, job_backend
 
 
 def world(rank: int, local_rank: int, local_size: int, n_trainers: int, n_inf: int, backend: str) -> World:
@@ -34,7 +34,7 @@ def world(rank: int, local_rank: int, local_size: int, n_trainers: int, n_inf: i
 
 def cores(n: int, first: int = 0):
     """A node whose job may use cores first..first+n-1 (its affinity, as a container's cpuset gives it)."""
-    return mock.patch("pipelinerl_fsdp.cpu_binding.node_cores", return_value=tuple(range(first, first + n)))
+    return mock.patch("pipelinerl_fsdp.job.cpu_binding.node_cores", return_value=tuple(range(first, first + n)))
 
 
 def test_core_slices():
@@ -125,9 +125,9 @@ def test_engine_dtype_follows_the_device():
 def test_every_rank_of_a_gpu_job_picks_the_same_backend():
     # vLLM inference ranks stay on CPU; they must still choose NCCL like the trainers, or the group order differs
     cfg = load_config(["--job.stage=rl", "--world.inference_ranks=1"])
-    with mock.patch("pipelinerl_fsdp.world.gpu_count", return_value=8):
+    with mock.patch("pipelinerl_fsdp.job.world.gpu_count", return_value=8):
         assert job_backend(cfg) == "nccl"
         assert job_backend(load_config(["--job.device=cpu"])) == "gloo"
         assert job_backend(load_config(["--world.backend=gloo"])) == "gloo"
-    with mock.patch("pipelinerl_fsdp.world.gpu_count", return_value=0):
+    with mock.patch("pipelinerl_fsdp.job.world.gpu_count", return_value=0):
         assert job_backend(cfg) == "gloo"

@@ -8,9 +8,9 @@ import torch
 
 from pipelinerl_fsdp.config import ConfigError
 from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.job.plan import GIB, block_activation_elements, layout, make_plan, trainer_memory
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.models.decoder import Documents, rope_cos_sin
-from pipelinerl_fsdp.plan import GIB, block_activation_elements, layout, make_plan, trainer_memory
 
 MATH_7B = ["--config", "math", "--job.stage=plan", "--model.flavour=qwen2.5-7b"]
 

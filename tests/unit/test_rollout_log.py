@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pipelinerl_fsdp.configure import load_config
-from pipelinerl_fsdp.rollout_log import RolloutLog, as_text, version_ranges
 from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.tasks import make_task
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer
+from pipelinerl_fsdp.training.rollout_log import RolloutLog, as_text, version_ranges
 
 
 def test_version_ranges():

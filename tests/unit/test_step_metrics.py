@@ -74,7 +74,7 @@ def test_zero_advantage_groups_are_counted_per_group():
 
 
 def test_pass_at_k_hand_computed():
-    from pipelinerl_fsdp.evaluation import pass_at_k
+    from pipelinerl_fsdp.training.evaluation import pass_at_k
 
     # 5 samples, 2 correct: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10; pass@4 = 1 (only 3 wrong)
     assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
@@ -85,8 +85,8 @@ def test_pass_at_k_hand_computed():
 
 
 def test_eval_reports_join_over_engines():
-    from pipelinerl_fsdp.evaluation import EvalAggregator
     from pipelinerl_fsdp.samples import EvalReport
+    from pipelinerl_fsdp.training.evaluation import EvalAggregator
 
     agg = EvalAggregator(["a", "b"], n_engines=2, pass_k=[1, 2])
     assert agg.add(EvalReport(0, 10, 2, [0, 2], [2, 0])) == {}  # engine 0's share: waiting for engine 1

@@ -7,7 +7,7 @@ import json
 from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.tasks import Task, make_task
-from pipelinerl_fsdp.warmstart import HELD_OUT_FILE, held_out_fingerprints, held_out_problem
+from pipelinerl_fsdp.training.warmstart import HELD_OUT_FILE, held_out_fingerprints, held_out_problem
 
 
 def _config(*overrides: str) -> tuple[Config, Task]:

@@ -16,32 +16,32 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from pipelinerl_fsdp import stopping
-from pipelinerl_fsdp.checkpoint import load_checkpoint, save_checkpoint
 from pipelinerl_fsdp.checkpoint_layout import export_folder, resume_point
-from pipelinerl_fsdp.collector import Collector
 from pipelinerl_fsdp.config import Config, checkpoint_folder
-from pipelinerl_fsdp.evaluation import EvalAggregator
-from pipelinerl_fsdp.faults import maybe_fail, nan_loss_at
 from pipelinerl_fsdp.inference.kinds import engine_kind
 from pipelinerl_fsdp.inference.placement import engine_dtype
+from pipelinerl_fsdp.job import stopping
+from pipelinerl_fsdp.job.faults import maybe_fail, nan_loss_at
+from pipelinerl_fsdp.job.processes import kill_descendants
+from pipelinerl_fsdp.job.stopping import StopRequested
+from pipelinerl_fsdp.job.world import World, uses_cuda, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
-from pipelinerl_fsdp.metrics import MetricsLogger, rl_console
 from pipelinerl_fsdp.models import save_hf_folder
-from pipelinerl_fsdp.parallelize import full_state_dict
-from pipelinerl_fsdp.policy import build_policy, load_sharded
-from pipelinerl_fsdp.processes import kill_descendants
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
 from pipelinerl_fsdp.rl.loss import LossSettings
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics, update_pauses
-from pipelinerl_fsdp.rollout_log import RolloutLog, as_text
 from pipelinerl_fsdp.samples import Sample
-from pipelinerl_fsdp.stopping import StopRequested
-from pipelinerl_fsdp.train_step import add_reference_logprobs, forward_backward, rl_loss_fn, sum_over_ranks
+from pipelinerl_fsdp.training.checkpoint import load_checkpoint, save_checkpoint
+from pipelinerl_fsdp.training.collector import Collector
+from pipelinerl_fsdp.training.evaluation import EvalAggregator
+from pipelinerl_fsdp.training.metrics import MetricsLogger, rl_console
+from pipelinerl_fsdp.training.parallelize import full_state_dict
+from pipelinerl_fsdp.training.policy import build_policy, load_sharded
+from pipelinerl_fsdp.training.rollout_log import RolloutLog, as_text
+from pipelinerl_fsdp.training.train_step import add_reference_logprobs, forward_backward, rl_loss_fn, sum_over_ranks
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, scatter_samples
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import PushStats, WeightSender
-from pipelinerl_fsdp.world import World, uses_cuda, waiting_for
 
 
 class RLTrainer:

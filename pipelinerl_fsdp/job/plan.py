@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelinerl_fsdp.config import Config, ConfigError
+from pipelinerl_fsdp.job.world import rank_layout
 from pipelinerl_fsdp.models.args import ModelArgs, flavour_args
 from pipelinerl_fsdp.models.hf_io import read_model_args
 from pipelinerl_fsdp.transport.weights import layer_buckets, slot_sizes
-from pipelinerl_fsdp.world import rank_layout
 
 GIB = 1 << 30
 CUDA_CONTEXT_GIB = 1.5

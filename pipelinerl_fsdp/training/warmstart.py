@@ -20,17 +20,17 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp.config import Config, ConfigError, TokenizerConfig
-from pipelinerl_fsdp.evaluation import greedy_accuracy
-from pipelinerl_fsdp.metrics import WARMSTART_CONSOLE, MetricsLogger
+from pipelinerl_fsdp.job.world import World
 from pipelinerl_fsdp.models import Transformer, build_model, flavour_args, load_hf_model, save_hf_folder
-from pipelinerl_fsdp.parallelize import full_state_dict
-from pipelinerl_fsdp.policy import build_policy, shard
 from pipelinerl_fsdp.preflight import check_sequence_budget, check_vocab, stop_token_ids
 from pipelinerl_fsdp.rl.packing import collate_packed, pack_into_bins
 from pipelinerl_fsdp.tasks import Problem, ProblemStream, Task, make_task
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer, encode_prompt, load_tokenizer
-from pipelinerl_fsdp.train_step import forward_backward, sum_over_ranks
-from pipelinerl_fsdp.world import World
+from pipelinerl_fsdp.training.evaluation import greedy_accuracy
+from pipelinerl_fsdp.training.metrics import WARMSTART_CONSOLE, MetricsLogger
+from pipelinerl_fsdp.training.parallelize import full_state_dict
+from pipelinerl_fsdp.training.policy import build_policy, shard
+from pipelinerl_fsdp.training.train_step import forward_backward, sum_over_ranks
 
 HELD_OUT_FILE = "held_out.json"
 

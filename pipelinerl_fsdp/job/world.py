@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipelinerl_fsdp.config import Config, ConfigError
-from pipelinerl_fsdp.gpus import gpu_count
 from pipelinerl_fsdp.inference.kinds import engine_kind
+from pipelinerl_fsdp.job.gpus import gpu_count
 from pipelinerl_fsdp.transport.store_group import store_prefix
 
 

@@ -9,18 +9,18 @@ from pathlib import Path
 import torch
 
 from pipelinerl_fsdp.config import OptimizerConfig, TrainerConfig
+from pipelinerl_fsdp.job.world import World
 from pipelinerl_fsdp.models import Transformer
 from pipelinerl_fsdp.models.hf_io import load_shards_into, read_model_args
-from pipelinerl_fsdp.optim import build_optimizer
-from pipelinerl_fsdp.parallelize import (
+from pipelinerl_fsdp.training.optim import build_optimizer
+from pipelinerl_fsdp.training.parallelize import (
     DTYPES,
     apply_activation_checkpointing,
     apply_fsdp,
     resolve_fp32_head,
     resolve_param_dtype,
 )
-from pipelinerl_fsdp.train_step import clip_and_step
-from pipelinerl_fsdp.world import World
+from pipelinerl_fsdp.training.train_step import clip_and_step
 
 
 @dataclass

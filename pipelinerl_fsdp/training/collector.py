@@ -17,11 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pipelinerl_fsdp import stopping
 from pipelinerl_fsdp.config import RLConfig
+from pipelinerl_fsdp.job import stopping
+from pipelinerl_fsdp.job.stopping import StopRequested
 from pipelinerl_fsdp.rl.advantages import is_zero_advantage_group
 from pipelinerl_fsdp.samples import EvalReport, Sample
-from pipelinerl_fsdp.stopping import StopRequested
 
 Group = list[Sample]
 
