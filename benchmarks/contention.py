@@ -14,12 +14,11 @@ pipeline to conventional per binding setting); writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from torchrun_job import ROOT, read_metrics, run_job
+from harness import ROOT, read_metrics, report, run_job
 
 SETTINGS = {
     ("pipeline", True): ["--rl.mode=pipeline", "--job.bind_cores=true"],
@@ -77,16 +76,14 @@ def main() -> None:
         return statistics.median(r[part] for r in runs[key])
 
     print(f"\ntrainer step (median of per-run medians, steps {a.skip + 1}-{a.steps}, {a.runs} runs each)")
-    print("| setting | step (ms) | range | push (ms) | step less push (ms) | trainer busy | engine busy |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    table = []
     for k, v in runs.items():
         lo, hi = min(r["train_step_s"] for r in v), max(r["train_step_s"] for r in v)
-        tb = statistics.fmean(r["trainer_busy_frac"] for r in v)
-        ib = statistics.fmean(r["inference_busy_frac"] for r in v)
-        print(
-            f"| {k} | {med(k, 'train_step_s') * 1000:.0f} | {lo * 1000:.0f}-{hi * 1000:.0f} | "
-            f"{med(k, 'push_s') * 1000:.0f} | {med(k, 'compute_s') * 1000:.0f} | {tb:.2f} | {ib:.2f} |"
-        )
+        table.append([
+            k, round(med(k, "train_step_s") * 1000), f"{lo * 1000:.0f}-{hi * 1000:.0f}", round(med(k, "push_s") * 1000),
+            round(med(k, "compute_s") * 1000), round(statistics.fmean(r["trainer_busy_frac"] for r in v), 2),
+            round(statistics.fmean(r["inference_busy_frac"] for r in v), 2),
+        ])  # fmt: skip
     ratios = {}
     for b in ("true", "false"):
         pipe, conv = f"pipeline, bind_cores={b}", f"conventional, bind_cores={b}"
@@ -95,8 +92,13 @@ def main() -> None:
             f"pipeline / conventional, bind_cores={b}: step {ratios[b]['train_step_s']:.2f}x, "
             f"step less push {ratios[b]['compute_s']:.2f}x"
         )
-    (a.out / "contention.json").write_text(json.dumps({"runs": runs, "ratio": ratios}, indent=1))
-    print(f"JSON in {a.out / 'contention.json'}")
+    report(
+        a.out / "contention.json",
+        "Contention: the trainer step with engines generating beside it (pipeline) and idle (conventional)",
+        ["setting", "step (ms)", "range", "push (ms)", "step less push (ms)", "trainer busy", "engine busy"],
+        table,
+        {"runs": runs, "ratio": ratios},
+    )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import random
 import statistics
@@ -29,6 +28,7 @@ from pathlib import Path
 import psutil
 import torch
 from engines import run_engine
+from harness import RESULTS, report
 
 from pipelinerl_fsdp.inference.placement import VLLMPlacement
 from pipelinerl_fsdp.tasks.arithmetic import ChainSum, ChainSumConfig
@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--core", type=int, default=(os.cpu_count() or 1) - 1)
     ap.add_argument("--engines", default="plain,vllm,vllm+text")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/engine_overhead.json"))
+    ap.add_argument("--out", type=Path, default=RESULTS / "engine_overhead.json")
     a = ap.parse_args()
     if not (a.model / "config.json").is_file():
         raise SystemExit(
@@ -134,19 +134,20 @@ def main() -> None:
         f"{a.rounds} rounds of {a.requests} long-tail requests (<= {a.max_tokens} tokens) on core {a.core}; "
         "tokens/s: median (min-max) over rounds; CPU ms per 1k tokens by process"
     )
-    print("| engine | tokens/s | vs plain | client | engine core | worker |")
-    print("|---|---|---|---|---|---|")
+    table = []
     for r in rows:
         ms = r["cpu_ms_per_1k_tokens"]
-        ratio = f"{r['tokens_per_s'] / plain:.2f}" if plain else "-"
         lo, hi = r["tokens_per_s_range"]
-        print(
-            f"| {r['engine']} | {r['tokens_per_s']} ({lo}-{hi}) | {ratio} | {ms.get('client', '-')} | "
-            f"{ms.get('engine core', '-')} | {ms.get('worker', '-')} |"
-        )
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=2))
-    print(f"wrote {a.out}")
+        vs_plain = round(r["tokens_per_s"] / plain, 2) if plain else "-"
+        table.append([r["engine"], f"{r['tokens_per_s']} ({lo}-{hi})", vs_plain] + [
+            ms.get(k, "-") for k in ("client", "engine core", "worker")])  # fmt: skip
+    report(
+        a.out,
+        "Engine overhead: tokens/s of vLLM through our engine against plain vLLM (CPU ms per 1k tokens by process)",
+        ["engine", "tokens/s", "vs plain", "client", "engine core", "worker"],
+        table,
+        {"settings": {k: str(v) for k, v in vars(a).items()}, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

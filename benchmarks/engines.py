@@ -12,13 +12,13 @@ in-job cost of a weight update is measured by benchmarks/vllm_update.py. Prints 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from harness import RESULTS, report
 
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.placement import VLLMPlacement
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--out", default="benchmarks/results/engines.json")
+    ap.add_argument("--out", default=str(RESULTS / "engines.json"))
     ap.add_argument("--gpu", action="store_true", help="both engines on GPU 0 in bf16")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -100,16 +100,13 @@ def main() -> None:
             r for f in a.flavours.split(",") for r in bench(f, a.prompts, a.max_tokens, a.threads, Path(tmp), a.gpu)
         ]
     cols = ["model", "params_m", "engine", "tokens", "seconds", "tokens_per_s"]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps({"prompts": a.prompts, "max_tokens": a.max_tokens, "threads": a.threads, "rows": rows}, indent=2)
+    report(
+        Path(a.out),
+        "Generation throughput: reference engine vs vLLM",
+        cols,
+        [[r[c] for c in cols] for r in rows],
+        {"prompts": a.prompts, "max_tokens": a.max_tokens, "threads": a.threads, "rows": rows},
     )
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -12,11 +12,12 @@ Start-up (engine processes, model load, warm-up) is not timed. Prints a table; w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
+
+from harness import RESULTS, report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,7 +110,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.7, help="evaluation sampling temperature (0: greedy)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cores", default=f"0-{(os.cpu_count() or 1) - 1}")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "eval_cost.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "eval_cost.json")
     a = p.parse_args()
     os.chdir(ROOT)
     from pipelinerl_fsdp.configure import load_config
@@ -149,32 +150,27 @@ def main() -> None:
         f"\n{a.config}: {len(prompts)} requests ({a.problems} problems x {a.samples} samples, temperature "
         f"{a.temperature}), max_num_seqs {cfg.inference.max_num_seqs}, cores {a.cores}, median of {a.repeats}\n"
     )
-    print("| path | seconds | completion tokens | tokens/s |")
-    print("|---|---|---|---|")
-    for name, s, t in rows:
-        print(f"| {name} | {s:.2f} | {t} | {t / s:.0f} |")
     ratio = job_s / plain_s
     per_token = (job_s / max(job_tokens, 1)) / (plain_s / max(plain_tokens, 1))
-    print(f"\njob / plain: {ratio:.3f}x in time, {per_token:.3f}x per completion token; pass@1 {acc:.3f}")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(
-        json.dumps(
-            {
-                "config": a.config,
-                "requests": len(prompts),
-                "problems": a.problems,
-                "samples": a.samples,
-                "temperature": a.temperature,
-                "cores": a.cores,
-                "job": {"seconds": job_secs, "tokens": job_tokens, "pass@1": acc},
-                "plain": {"seconds": plain_secs, "tokens": plain_tokens},
-                "job_over_plain_time": ratio,
-                "job_over_plain_per_token": per_token,
-            },
-            indent=2,
-        )
+    report(
+        a.out,
+        f"Evaluation cost: the job's engine path against plain vllm.LLM.generate ({a.config})",
+        ["path", "seconds", "completion tokens", "tokens/s"],
+        [[name, round(s, 2), t, round(t / s)] for name, s, t in rows],
+        {
+            "config": a.config,
+            "requests": len(prompts),
+            "problems": a.problems,
+            "samples": a.samples,
+            "temperature": a.temperature,
+            "cores": a.cores,
+            "job": {"seconds": job_secs, "tokens": job_tokens, "pass@1": acc},
+            "plain": {"seconds": plain_secs, "tokens": plain_tokens},
+            "job_over_plain_time": ratio,
+            "job_over_plain_per_token": per_token,
+        },
     )
-    print(f"wrote {a.out}")
+    print(f"job / plain: {ratio:.3f}x in time, {per_token:.3f}x per completion token; pass@1 {acc:.3f}")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from export_eval import Evaluator, crossing
-from torchrun_job import ROOT, job_command, run_job, run_logged
+from harness import ROOT, job_command, run_job, run_logged
 
 from pipelinerl_fsdp.configure import load_config
 

@@ -33,6 +33,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # harness, also when a test loads this file by path
+
+from harness import RESULTS, report  # noqa: E402
 
 from pipelinerl_fsdp.configure import load_config  # noqa: E402
 from pipelinerl_fsdp.job.host_memory import PeakAnon  # noqa: E402
@@ -274,7 +277,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="smaller shapes (the test's)")
     ap.add_argument("--item", choices=ITEMS, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory_vs_plan.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "memory_vs_plan.json")
     a = ap.parse_args()
     if a.item:
         if a.item == "load":
@@ -287,13 +290,13 @@ def main() -> None:
             item_step(a.item.removeprefix("step_"), a.quick)
         return
     rows = measure(a.quick)
-    print("| item | plan MB | measured MB | measured / plan |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['item']} | {r['plan_mb']:.1f} | {r['measured_mb']:.1f} | {r['ratio']:.3f} |")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"quick": a.quick, "rows": rows}, indent=2))
-    print(f"wrote {a.out}")
+    report(
+        a.out,
+        "Memory: the plan's formulas against memory measured on CPU",
+        ["item", "plan MB", "measured MB", "measured / plan"],
+        [[r["item"], round(r["plan_mb"], 1), round(r["measured_mb"], 1), round(r["ratio"], 3)] for r in rows],
+        {"quick": a.quick, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from torchrun_job import ROOT, job_command, read_metrics
+from harness import ROOT, job_command, read_metrics
 
 
 def one_run(out: Path, args: argparse.Namespace, extra: list[str], kill: bool) -> dict:

@@ -13,12 +13,11 @@ second than exact match's. Prints a table; writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from torchrun_job import ROOT, read_metrics, run_job
+from harness import ROOT, read_metrics, report, run_job
 
 REWARDS = ("exact_match", "math_verify")
 OUTCOMES = ("correct", "wrong", "no_answer", "unparsable", "timeout", "truncated")
@@ -90,14 +89,12 @@ def main() -> None:
     ratio_busy = mv["busy_median"] / base["busy_median"]
     ratio_tps = mv["tok_s_median"] / base["tok_s_median"]
     print(f"\n{a.config}, {a.runs} seeds x {a.steps} steps per reward (steps 1-{a.skip} left out)\n")
-    print("| reward | engine busy (median, range) | completion tok/s (median, range) | correct | no answer |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['reward']} | {r['busy_median']:.3f} ({r['busy_range'][0]:.3f}-{r['busy_range'][1]:.3f}) | "
-            f"{r['tok_s_median']:.0f} ({r['tok_s_range'][0]:.0f}-{r['tok_s_range'][1]:.0f}) | "
-            f"{r['correct']:.3f} | {r['no_answer']:.3f} |"
-        )
+    table = [
+        [r["reward"], f"{r['busy_median']:.3f} ({r['busy_range'][0]:.3f}-{r['busy_range'][1]:.3f})",
+         f"{r['tok_s_median']:.0f} ({r['tok_s_range'][0]:.0f}-{r['tok_s_range'][1]:.0f})", round(r["correct"], 3),
+         round(r["no_answer"], 3)]
+        for r in rows
+    ]  # fmt: skip
     print(f"\nmath_verify / exact_match: busy {ratio_busy:.3f}x, tokens/s {ratio_tps:.3f}x")
     result = {
         "config": a.config,
@@ -109,8 +106,13 @@ def main() -> None:
         "math_verify_over_exact_busy": ratio_busy,
         "math_verify_over_exact_tokens_per_s": ratio_tps,
     }
-    (a.out / "reward_stall.json").write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.out / 'reward_stall.json'}")
+    report(
+        a.out / "reward_stall.json",
+        "Reward stall: engine busy and tokens/s with math-verify against exact match",
+        ["reward", "engine busy (median, range)", "completion tok/s (median, range)", "correct", "no answer"],
+        table,
+        result,
+    )
 
 
 if __name__ == "__main__":

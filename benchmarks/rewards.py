@@ -8,10 +8,11 @@ Prints a table and writes JSON."""
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
+
+from harness import RESULTS, report
 
 from pipelinerl_fsdp.rewards.math_answer import score_math_answer, warm_up
 from pipelinerl_fsdp.rewards.pool import RewardPool
@@ -78,7 +79,7 @@ def main() -> None:
     ap.add_argument("--answers", type=int, default=400)
     ap.add_argument("--hostile", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=2.0)
-    ap.add_argument("--out", default="benchmarks/results/rewards.json")
+    ap.add_argument("--out", default=str(RESULTS / "rewards.json"))
     a = ap.parse_args()
     answers = realistic(a.answers)
     warm_up()
@@ -100,17 +101,14 @@ def main() -> None:
     for w in [int(x) for x in a.workers.split(",")]:
         rows.append({"set": "realistic", "workers": w, **run_pool(answers, w, a.timeout)})
         rows.append({"set": "hostile", "workers": w, **run_pool(hostile(a.hostile), w, a.timeout)})
-    print("| set | workers (0: in-process loop) | answers | answers/s | per worker | outcomes |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['set']} | {r['workers']} | {r['answers']} | {r['answers_per_s']} | "
-            f"{r['answers_per_s_per_worker']} | {r['outcomes']} |"
-        )
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"timeout_s": a.timeout, "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    cols = ["set", "workers", "answers", "answers_per_s", "answers_per_s_per_worker", "outcomes"]
+    report(
+        Path(a.out),
+        "Reward throughput: math-verify in-process and in the reward pool (workers 0: in-process loop)",
+        cols,
+        [[r[c] for c in cols] for r in rows],
+        {"timeout_s": a.timeout, "rows": rows},
+    )
 
 
 if __name__ == "__main__":

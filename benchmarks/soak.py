@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchrun_job import ROOT, job_command, read_metrics
+from harness import ROOT, job_command, read_metrics
 
 sys.path.insert(0, str(ROOT))
 from pipelinerl_fsdp.job.processes import descendants, parent_of  # noqa: E402

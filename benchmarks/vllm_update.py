@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from harness import RESULTS
 
 from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.inference.engine import Request
@@ -206,7 +207,7 @@ def main() -> None:
                 f"{r['pause_ms_median'] / max(r['memcpy_ms'], 1e-9):.0f}x | {r['tokens_per_s']:.0f} |",
                 flush=True,
             )
-        out = a.out or Path(f"benchmarks/results/vllm_update_{a.flavour}.json")
+        out = a.out or RESULTS / f"vllm_update_{a.flavour}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rows, indent=1))
     dist.barrier()

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from harness import RESULTS
 
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.job.host_memory import PeakAnon
@@ -129,7 +130,7 @@ def main() -> None:
     ap.add_argument("--flavours", default="debug,small")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--bucket-mb", type=int, default=64)
-    ap.add_argument("--out", default="benchmarks/results/weight_sync.json")
+    ap.add_argument("--out", default=str(RESULTS / "weight_sync.json"))
     a = ap.parse_args()
     world = init_world(load_config(["--world.inference_ranks=1", "--job.threads_per_rank=1"]))
     # The baseline needs its own group over the same two ranks: the engine always has a header receive posted on

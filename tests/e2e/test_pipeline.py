@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.util
 import json
@@ -207,12 +208,20 @@ def test_without_the_filter_zero_advantage_groups_are_trained(warm_folder, tmp_p
 
 
 def test_a_tight_max_lag_drops_whole_stale_groups(warm_folder, tmp_path):
-    r = short_run(2, 1, warm_folder, tmp_path, "--inference.engine=reference", "--rl.max_lag=0")
+    r = short_run(
+        2, 1, warm_folder, tmp_path, "--inference.engine=reference", "--rl.max_lag=0", "--metrics.rollouts_every=1"
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    recs = records(tmp_path)
-    assert all(x["lag_max"] == 0 for x in recs)  # max_lag = 0: only current-version tokens are trained
-    last = recs[-1]
-    assert last["dropped_stale_groups"] > 0 and last["dropped_stale"] == 4 * last["dropped_stale_groups"]
+    assert records(tmp_path)[-1]["dropped_stale_groups"] > 0  # the engines ran ahead: there was something to drop
+    dumps = sorted((tmp_path / "rl" / "rollouts").glob("step-*.jsonl"))
+    assert len(dumps) == 12  # rl.max_steps: one dump per step
+    for path in dumps:  # what each step trained on, from the rollout dumps (not from the lag metrics)
+        step = int(path.stem.removeprefix("step-"))
+        trained = [json.loads(line) for line in path.read_text().splitlines()]
+        # step N trains the weights of version N - 1: with max_lag = 0 every token it trains on came from those
+        assert {v for t in trained for _, _, v in t["versions"]} == {step - 1}, (step, trained[0]["versions"])
+        groups = collections.Counter(t["group"] for t in trained)
+        assert set(groups.values()) == {4}, groups  # whole groups (rl.attempts = 4), never part of one
 
 
 def test_startup_errors_are_named_before_anything_runs(warm_folder, tmp_path):
@@ -520,10 +529,17 @@ def test_math_path_end_to_end_with_a_tiny_model(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     recs = records(tmp_path / "out")
     assert [x["step"] for x in recs] == [1, 2, 3, 4]
-    for x in recs:
-        fractions = {k: v for k, v in x.items() if k.startswith("outcome/")}
-        assert len(fractions) == 7 and sum(fractions.values()) == pytest.approx(1.0)
-        assert x["outcome/truncated"] == pytest.approx(x["truncated_frac"])
+    for path in sorted((tmp_path / "out" / "rl" / "rollouts").glob("step-*.jsonl")):
+        # each sample's outcome against its own text, and the step's logged fractions against its samples
+        trained = [json.loads(line) for line in path.read_text().splitlines()]
+        for t in trained:
+            assert (t["outcome"] == "truncated") == (not t["finished"]), t
+            if t["finished"] and "\\boxed" not in t["completion"] and "\\fbox" not in t["completion"]:
+                assert t["outcome"] == "no_answer", t
+            assert t["outcome"] != "correct" or t["reward"] == 1.0, t  # (a truncated one keeps its reward)
+        logged = recs[int(path.stem.removeprefix("step-")) - 1]
+        for kind, n in collections.Counter(t["outcome"] for t in trained).items():
+            assert logged[f"outcome/{kind}"] == pytest.approx(n / len(trained)), (kind, logged)
     assert all(x["data_epoch"] == 0 for x in recs)  # 4 steps x 8 prompts of 320: still the first epoch
     # an untrained model rarely writes a box: most answers are "no_answer" (scored in the pool, not a default)
     assert sum(x["outcome/no_answer"] for x in recs) > 0

@@ -17,17 +17,19 @@ from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.worker import InferenceWorker
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
+from pipelinerl_fsdp.samples import EvalReport
 from pipelinerl_fsdp.tasks import TASKS, make_task
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer
 from pipelinerl_fsdp.transport.weights import STOP, UPDATE
 
-TOKENS_PER_SEQ = 3  # each request takes this many engine steps (one token per step)
+TOKENS_PER_SEQ = 3  # a request takes this many engine steps (one token per step), plus 0-2 by its group
 
 
 class FakeEngine:
     """Every step gives each running request one token tagged with the current version; a request finishes after
-    TOKENS_PER_SEQ tokens. Records the number of requests in flight at every load."""
+    TOKENS_PER_SEQ tokens or more (groups of different lengths finish at different steps). Records the number of
+    requests in flight at every load."""
 
     def __init__(self, max_num_seqs: int) -> None:
         self.version, self.cap = 0, max_num_seqs
@@ -51,10 +53,10 @@ class FakeEngine:
             r.tokens.append(5)  # a digit of the char tokenizer
             r.logprobs.append(-0.5)
             r.versions.append(self.version)
-            if len(r.tokens) == min(TOKENS_PER_SEQ, r.max_tokens):
+            if len(r.tokens) == min(TOKENS_PER_SEQ + r.request_id // 2 % 3, r.max_tokens):
                 done.append(r)
         self.running = [r for r in self.running if r not in done]
-        self.tokens += len(done) * TOKENS_PER_SEQ
+        self.tokens += sum(len(r.tokens) for r in done)
         return done
 
     def load_update(self, receiver: FakeReceiver, version: int, recompute: bool) -> None:
@@ -95,24 +97,45 @@ class FakeReceiver:
 
 class FakeTrainer:
     """The rollout sender's far side: every `groups_per_step` groups is one optimizer step; every `sync_every`
-    steps the weights of that step are pushed (a header); after `max_steps` steps, a stop."""
+    steps the weights of that step are pushed (a header); after `max_steps` steps, a stop. Like the real trainer
+    (`rl.overlap_push`), it takes the next step's groups while a push is out, then waits for the push: its queue
+    is full until the engine takes the update."""
 
-    def __init__(self, receiver: FakeReceiver, groups_per_step: int, sync_every: int, max_steps: int) -> None:
+    def __init__(
+        self, receiver: FakeReceiver, groups_per_step: int, sync_every: int, max_steps: int, final_eval: bool = False
+    ) -> None:
         self.receiver, self.groups_per_step, self.sync_every = receiver, groups_per_step, sync_every
+        self.final_eval, self.stopped = final_eval, False
         self.max_steps, self.groups, self.steps = max_steps, [], 0
         self.trained_on: list[list[list[int]]] = []  # per step: the versions of its samples
+        self.evaluated: list[int] = []  # versions of the evaluation reports received
+        self.refused = 0
 
     def put(self, payload: object, stats: dict[str, float], timeout: float | None = None) -> bool:
-        if not isinstance(payload, list) or self.steps >= self.max_steps:
-            return True
-        self.groups.append(payload)
-        if len(self.groups) == self.groups_per_step:
-            self.trained_on.append([s.versions for g in self.groups for s in g])
-            self.groups, self.steps = [], self.steps + 1
-            if self.steps % self.sync_every == 0 or self.steps == self.max_steps:
-                self.receiver.headers.append((UPDATE, self.steps))
-            if self.steps == self.max_steps:
-                self.receiver.headers.append((STOP, 0))
+        waiting = any(kind == UPDATE for kind, _ in self.receiver.headers)
+        if self.steps < self.max_steps and waiting and len(self.groups) >= self.groups_per_step:
+            self.refused += 1  # waiting for the push to be taken, with the next step's batch in hand
+            assert self.refused < 100_000, "the engine never takes the update the trainer waits for: a deadlock"
+            return False
+        if isinstance(payload, EvalReport):
+            self.evaluated.append(payload.version)
+        elif self.steps < self.max_steps:
+            assert isinstance(payload, list)
+            self.groups.append(payload)
+            if len(self.groups) >= self.groups_per_step and not waiting:
+                batch, self.groups = self.groups[: self.groups_per_step], self.groups[self.groups_per_step :]
+                self.trained_on.append([s.versions for g in batch for s in g])
+                self.steps += 1
+                if self.steps % self.sync_every == 0 or self.steps == self.max_steps:
+                    self.receiver.headers.append((UPDATE, self.steps))
+        # as the trainer does, the stop waits for the final version's evaluation when one is due
+        if (
+            self.steps == self.max_steps
+            and not self.stopped
+            and (not self.final_eval or self.max_steps in self.evaluated)
+        ):
+            self.receiver.headers.append((STOP, 0))
+            self.stopped = True
         return True
 
     def close(self) -> None:
@@ -139,7 +162,9 @@ def run_mode(mode: str, *extra: str) -> tuple[FakeEngine, FakeTrainer]:
     inputs = JobInputs("", "", tok, task, [tok.eos_token_id], 16, 16 + cfg.task.max_new_tokens)
     world = types.SimpleNamespace(rank=1, inference_index=0, inference_ranks=[1], trainer_ranks=[0])
     engine, receiver = FakeEngine(cfg.inference.max_num_seqs), FakeReceiver()
-    trainer = FakeTrainer(receiver, cfg.rl.batch_size // cfg.rl.attempts, cfg.rl.sync_every, cfg.rl.max_steps)
+    trainer = FakeTrainer(
+        receiver, cfg.rl.batch_size // cfg.rl.attempts, cfg.rl.sync_every, cfg.rl.max_steps, cfg.eval.every > 0
+    )
     with mock.patch.object(worker_mod, "resume_point", return_value=(None, [])):
         InferenceWorker(cfg, world, inputs, engine, receiver, trainer).run()  # type: ignore[arg-type]
     assert trainer.steps == cfg.rl.max_steps
@@ -160,6 +185,17 @@ def test_async_loads_only_a_drained_engine_and_sequences_keep_one_version():
     assert engine.loads and all(in_flight == 0 for _, in_flight in engine.loads)
     assert all(len(set(v)) == 1 for step in trainer.trained_on for v in step)
     assert len(engine.staged) >= len(engine.loads)  # received at once, loaded later (newer ones replace older)
+
+
+def test_async_evaluates_exactly_the_versions_due_even_when_newer_ones_arrive_first():
+    """eval.every = 2: the trainer pushes version 3 while 2 is staged and due; 2 must not be replaced, and the
+    trainer (waiting for its push) must not deadlock the engine that drains to load it."""
+    engine, trainer = run_mode(
+        "async", "--eval.every=2", "--task.eval_size=8", "--rl.batch_size=2", "--inference.max_num_seqs=8"
+    )
+    assert sorted(set(trainer.evaluated)) == [2, 4, 6]
+    assert trainer.refused > 0  # the trainer did wait on the engine: the case the holding is for
+    assert all(in_flight == 0 for _, in_flight in engine.loads)
 
 
 def test_conventional_generates_each_round_under_the_last_synced_weights():

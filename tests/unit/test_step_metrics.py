@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
 from pipelinerl_fsdp.rl.step_metrics import (
     EngineCounters,
     StepTimes,
@@ -38,7 +40,19 @@ def test_lags_and_version_fractions():
     assert m["lag_mean"] == 0.25 and m["lag_max"] == 1 and m["current_version_frac"] == 0.75
     assert m["mixed_version_frac"] == 0.5  # one sequence has tokens of versions 3 and 4
     assert m["reward_mean"] == 0.5 and m["truncated_frac"] == 0.5
-    assert m["ess"] == 1.0 and m["is_clipped_frac"] == 0.25 and m["entropy"] == 0.5 and m["kl"] == pytest.approx(0.1)
+    assert m["entropy"] == 0.5 and m["kl"] == pytest.approx(0.1)  # sums per token
+
+
+def test_ess_and_clipping_from_the_loss_of_known_importance_weights():
+    """Weights pi/mu = (2, 0.5, 1, 1) through the real loss, truncated at c = 1.5; the values worked by hand."""
+    logp = torch.log(torch.tensor([0.4, 0.1, 0.3, 0.2]))
+    behaviour = logp - torch.log(torch.tensor([2.0, 0.5, 1.0, 1.0]))
+    _, sums = policy_loss(logp, behaviour, torch.ones(4), torch.ones(4), 2.0, LossSettings(is_clip=1.5))
+    m = step_metrics([s([4, 4], 1.0), s([4, 4], 0.0)], 4, dict(sums, entropy=0.0), EngineCounters(),
+                     EngineCounters(), StepTimes(0, 1, 2, 0))  # fmt: skip
+    assert m["ess"] == pytest.approx(4.5**2 / (4 * 6.25))  # raw: sum 4.5, sum of squares 6.25 -> 0.81
+    assert m["ess_truncated"] == pytest.approx(4.0**2 / (4 * 4.5))  # (1.5, 0.5, 1, 1) -> 0.889
+    assert m["is_clipped_frac"] == 0.25  # one token of four above c
 
 
 def test_ess_is_of_the_raw_weights_and_ess_truncated_of_the_applied_ones():

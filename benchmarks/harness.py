@@ -1,0 +1,80 @@
+"""What every benchmark shares: launching a training job under torchrun (the job's own entry point, this machine's
+Python), reading its metrics, and reporting: a markdown table on the console and, under `benchmarks/results/`
+(next to the repository, wherever the script is started from), the same table as `.md` and everything as `.json`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table; floats to 4 significant digits (whole numbers from 1000 on), the rest as they print."""
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def report(out: Path, title: str, columns: list[str], rows: list[list[Any]], data: dict[str, Any]) -> None:
+    """Print the table; write `out` (JSON: `data`, the table and the command) and `out` with `.md` (the title, the
+    command, the table)."""
+    table = markdown_table(columns, rows)
+    print(table, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    out.write_text(json.dumps({**data, "command": command, "table": {"columns": columns, "rows": rows}}, indent=1))
+    out.with_suffix(".md").write_text(f"# {title}\n\n`{command}`\n\n{table}\n")
+    print(f"wrote {out} and {out.with_suffix('.md')}", flush=True)
+
+
+def job_command(args: list[str], nproc: int) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of `torchrun --standalone --nproc-per-node nproc run_train.py ARGS`."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(ROOT / "run_train.py"),
+        *args,
+    ]
+    return cmd, env
+
+
+def run_job(args: list[str], log: Path, nproc: int) -> None:
+    """Run `job_command(args, nproc)`, output to `log`; exits with the log's tail when the job fails."""
+    run_logged(*job_command(args, nproc), log)
+
+
+def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> None:
+    """Run `cmd` in the repository root, output to `log`; exits with the log's tail when it fails."""
+    with open(log, "w") as f:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+    if r.returncode != 0:
+        tail = log.read_text()[-4000:]
+        raise SystemExit(f"run failed ({' '.join(cmd)}); log {log}:\n{tail}")
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a job's metrics.jsonl."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
