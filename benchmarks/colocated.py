@@ -44,7 +44,6 @@ from pipelinerl_fsdp.preflight import engine_max_len, sequence_limits, stop_toke
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import group_advantages
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
-from pipelinerl_fsdp.rl.loss import LossSettings
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics
 from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.tasks import ProblemStream, make_task
@@ -58,7 +57,7 @@ from pipelinerl_fsdp.training.parallelize import (
     resolve_param_dtype,
 )
 from pipelinerl_fsdp.training.policy import build_policy
-from pipelinerl_fsdp.training.train_step import forward_backward, rl_loss_fn
+from pipelinerl_fsdp.training.train_step import forward_backward, loss_settings, rl_loss_fn
 
 
 def free_port() -> int:
@@ -103,7 +102,7 @@ class Colocated:
             cfg.inference.top_p,
             cfg.job.seed,
         )
-        self.loss_settings = LossSettings(kind=rl.loss, is_clip=rl.is_clip, ppo_eps=rl.ppo_eps, kl_coef=rl.kl_coef)
+        self.loss_settings = loss_settings(rl)
         self.version = 0
 
     def generate(self) -> list[Sample]:

@@ -29,6 +29,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # harness, also when another script loads this file by path
+
+from harness import RESULTS, report  # noqa: E402
 
 from pipelinerl_fsdp.checkpoint_layout import exported_policies  # noqa: E402
 from pipelinerl_fsdp.config import Config  # noqa: E402
@@ -152,6 +155,7 @@ def main() -> None:
     p.add_argument("--size", type=int, default=0, help="held-out problems (the first of the split; 0: all)")
     p.add_argument("--start", type=Path, default=None, help="the policy at step 0 (default: the config's warm start)")
     p.add_argument("--workers", type=int, default=1, help="exports evaluated at a time (one process, one thread each)")
+    p.add_argument("--out", type=Path, default=RESULTS / "export_eval.json")
     p.epilog = "After --: the run's --config and --section.key=value overrides."
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -162,9 +166,16 @@ def main() -> None:
     start = a.start or Path(cfg.warmstart.path)
     c = ev.curve(a.run_dir, ev.accuracy(start))
     ev.close()
-    print("| step | wall time (s) | samples | greedy accuracy |\n|---|---|---|---|")
-    for row in zip(c["step"], c["wall_time_s"], c["samples"], c["accuracy"]):
-        print("| {} | {:.1f} | {} | {:.3f} |".format(*row))
+    report(
+        a.out,
+        f"Held-out greedy accuracy of the exports of {a.run_dir}",
+        ["step", "wall time (s)", "samples", "greedy accuracy"],
+        [
+            [st, round(w, 1), n, round(acc, 3)]
+            for st, w, n, acc in zip(c["step"], c["wall_time_s"], c["samples"], c["accuracy"])
+        ],
+        {"run_dir": str(a.run_dir), "curve": c},
+    )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Prints a table, writes JSON (every run's accuracies, resume step and wall time).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -22,7 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from harness import ROOT, job_command, read_metrics
+from harness import ROOT, job_command, read_metrics, report
 
 
 def one_run(out: Path, args: argparse.Namespace, extra: list[str], kill: bool) -> dict:
@@ -92,16 +91,19 @@ def main() -> None:
                 flush=True,
             )
     resume_step = args.kill_at // args.interval * args.interval
-    print(f"\n{'':13s} {'final accuracy (min / mean / max)':>36s}   at step {resume_step}")
+    table = []
     for kind, rs in results.items():
         finals = [r["final"] for r in rs]
         mid = [r["evals"].get(resume_step) for r in rs]
         mid_s = " ".join(f"{m:.3f}" for m in mid if m is not None) or "-"
-        print(f"{kind:13s} {min(finals):10.3f} / {statistics.mean(finals):.3f} / {max(finals):.3f}   {mid_s}")
-    (args.out / "results.json").write_text(
-        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "extra": extra, **results}, indent=1)
+        table.append([kind, f"{min(finals):.3f} / {statistics.mean(finals):.3f} / {max(finals):.3f}", mid_s])
+    report(
+        args.out / "results.json",
+        "Restart accuracy: killed and restarted runs against uninterrupted ones",
+        ["run", "final accuracy (min / mean / max)", f"accuracy at step {resume_step}"],
+        table,
+        {"args": {k: str(v) for k, v in vars(args).items()}, "extra": extra, **results},
     )
-    print(f"wrote {args.out / 'results.json'}")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ warm-up (start-up, the first KV-cache pages and allocator pools are not a leak).
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import statistics
 import subprocess
@@ -23,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import ROOT, job_command, read_metrics
+from harness import ROOT, job_command, read_metrics, report
 
 sys.path.insert(0, str(ROOT))
 from pipelinerl_fsdp.job.processes import descendants, parent_of  # noqa: E402
@@ -134,15 +133,12 @@ def main() -> None:
     warmup = a.warmup_minutes * 60
     rows, failed = [], []
     print(f"soak: {a.minutes:g} min, {recs[-1]['step'] if recs else 0} steps; growth after {a.warmup_minutes:g} min")
-    print("| process | RSS after warm-up (MB) | RSS at end (MB) | growth | samples |")
-    print("| --- | ---: | ---: | ---: | ---: |")
     for name, s in sorted(series.items(), key=lambda kv: kv[0] != "whole job"):
         g = growth(s, warmup)
         if g is None:  # a short-lived process (a reward worker replaced, a helper)
             continue
         start, end, rel = g
         rows.append({"process": name, "rss_start_mb": start, "rss_end_mb": end, "growth": rel, "samples": len(s)})
-        print(f"| {name} | {start:.0f} | {end:.0f} | {rel:+.1%} | {len(s)} |")
         if rel > a.max_growth:
             failed.append(name)
     result = {
@@ -155,7 +151,14 @@ def main() -> None:
         "series": series,
         "failed": failed,
     }
-    (a.out / "soak.json").write_text(json.dumps(result, indent=1))
+    report(
+        a.out / "soak.json",
+        "Soak: resident memory of every process of the job over a long run",
+        ["process", "RSS after warm-up (MB)", "RSS at end (MB)", "growth", "samples"],
+        [[r["process"], round(r["rss_start_mb"]), round(r["rss_end_mb"]), f"{r['growth']:+.1%}", r["samples"]]
+         for r in rows],
+        result,
+    )  # fmt: skip
     plot(series, warmup, a.out / "soak.png")
     if failed:
         raise SystemExit(f"RSS grew by more than {a.max_growth:.0%} after the warm-up: {', '.join(failed)}")

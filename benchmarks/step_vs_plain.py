@@ -21,7 +21,6 @@ Prints a table (median ms per step of each part, and our total over the plain lo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -31,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from harness import RESULTS, report
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipelinerl_fsdp.config import OptimizerConfig
@@ -104,7 +104,7 @@ def main() -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=2048)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "step_vs_plain.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "step_vs_plain.json")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -151,13 +151,8 @@ def main() -> None:
         f"{args.num_params() / 1e6:.2f}M-parameter '{a.flavour}' model, {a.samples} samples (~{tokens} tokens) per "
         f"step, {a.threads} thread(s), median of {a.steps} steps"
     )
-    print("| part | ms per step | share of our step |")
-    print("| --- | ---: | ---: |")
-    for k in ("pack", "forward_backward", "optimizer", "push"):
-        print(f"| {k} | {ms[k]:.1f} | {ms[k] / total:.0%} |")
-    print(f"| **ours, total** | {total:.1f} | 100% |")
-    print(f"| plain loop | {ms['plain']:.1f} | |")
-    print(f"ours / plain: {total / ms['plain']:.2f}x")
+    table = [[k, round(ms[k], 1), f"{ms[k] / total:.0%}"] for k in ("pack", "forward_backward", "optimizer", "push")]
+    table += [["**ours, total**", round(total, 1), "100%"], ["plain loop", round(ms["plain"], 1), ""]]
     row = {
         "flavour": a.flavour,
         "samples": a.samples,
@@ -165,9 +160,9 @@ def main() -> None:
         "median_ms": ms,
         "ratio": total / ms["plain"],
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(row, indent=2))
-    print(f"wrote {a.out}")
+    report(a.out, "Our trainer step against a textbook padded loop", ["part", "ms per step", "share of our step"],
+           table, row)  # fmt: skip
+    print(f"ours / plain: {total / ms['plain']:.2f}x")
     dist.destroy_process_group()
 
 

@@ -14,13 +14,13 @@ Prints a table; writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from harness import RESULTS, report
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -76,7 +76,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--peak-tflops", type=float, default=989.0)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_step_speed.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "train_step_speed.json")
     a = p.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -127,12 +127,7 @@ def main() -> None:
             device, dtype, args.num_attention_heads, args.num_key_value_heads, hd
         ),
     }
-    print("| " + " | ".join(row) + " |")
-    print("|" + "---|" * len(row))
-    print("| " + " | ".join(str(v) for v in row.values()) + " |")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(row, indent=2))
-    print(f"wrote {a.out}")
+    report(a.out, "Trainer step speed on one device", list(row), [list(row.values())], row)
     dist.destroy_process_group()
 
 

@@ -19,7 +19,6 @@ here once; not investigated). Prints a table row per load way; writes benchmarks
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from harness import RESULTS
+from harness import RESULTS, report
 
 from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.inference.engine import Request
@@ -194,22 +193,17 @@ def main() -> None:
         rows = bench(a.flavour, a.updates, loads, Path(obj[0]), world, cfg, a.gpu)
     if world.rank == 1:
         assert rows is not None
-        print(
-            "| model | load | MB | pause ms (median, min..max) | in the worker (bucket waits) | memcpy ms | "
-            "pause / memcpy | tokens/s after |"
-        )
-        print("|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            print(
-                f"| {r['model']} ({r['params_m']:.1f}M) | {r['load']} | {r['mb']:.1f} | {r['pause_ms_median']:.1f} "
-                f"({r['pause_ms_min']:.1f}..{r['pause_ms_max']:.1f}) | {r['worker_load_ms_median']:.1f} "
-                f"({r['bucket_wait_ms_median']:.1f}) | {r['memcpy_ms']:.2f} | "
-                f"{r['pause_ms_median'] / max(r['memcpy_ms'], 1e-9):.0f}x | {r['tokens_per_s']:.0f} |",
-                flush=True,
-            )
-        out = a.out or RESULTS / f"vllm_update_{a.flavour}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(rows, indent=1))
+        table = [
+            [f"{r['model']} ({r['params_m']:.1f}M)", r["load"], round(r["mb"], 1),
+             f"{r['pause_ms_median']:.1f} ({r['pause_ms_min']:.1f}..{r['pause_ms_max']:.1f})",
+             f"{r['worker_load_ms_median']:.1f} ({r['bucket_wait_ms_median']:.1f})", round(r["memcpy_ms"], 2),
+             f"{r['pause_ms_median'] / max(r['memcpy_ms'], 1e-9):.0f}x", round(r["tokens_per_s"])]
+            for r in rows
+        ]  # fmt: skip
+        cols = ["model", "load", "MB", "pause ms (median, min..max)", "in the worker (bucket waits)", "memcpy ms",
+                "pause / memcpy", "tokens/s after"]  # fmt: skip
+        report(a.out or RESULTS / f"vllm_update_{a.flavour}.json", "A vLLM engine's pause per in-flight update",
+               cols, table, {"rows": rows})  # fmt: skip
     dist.barrier()
     dist.destroy_process_group()
 

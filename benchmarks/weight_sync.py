@@ -17,14 +17,13 @@ The target (docs/performance.md): pause within 1.3x of plain_bcast. Prints a tab
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from harness import RESULTS
+from harness import RESULTS, report
 
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.job.host_memory import PeakAnon
@@ -154,19 +153,13 @@ def main() -> None:
             "sender_peak_mb",
             "receiver_peak_mb",
         ]
-        print("| " + " | ".join(cols) + " |")
-        print("|" + "---|" * len(cols))
-        for r in rows:
-            print("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                {"device": str(world.device), "backend": world.backend, "bucket_mb": a.bucket_mb, "rows": rows},
-                indent=2,
-            )
+        report(
+            Path(a.out),
+            "Weight-update pause against a plain broadcast and a memcpy of the same bytes",
+            cols,
+            [[r[c] for c in cols] for r in rows],
+            {"device": str(world.device), "backend": world.backend, "bucket_mb": a.bucket_mb, "rows": rows},
         )
-        print(f"wrote {out}")
     dist.destroy_process_group()
 
 

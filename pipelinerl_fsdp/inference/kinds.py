@@ -55,5 +55,6 @@ def engine_kind(cfg: Config) -> EngineKind:
 
 
 def engine_class(kind: EngineKind) -> type[Engine]:
+    """The class `kind.impl` names, imported now (an engine's package loads only when one starts)."""
     module, name = kind.impl.split(":")
     return getattr(importlib.import_module(module), name)

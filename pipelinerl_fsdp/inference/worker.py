@@ -259,14 +259,15 @@ class InferenceWorker:
         trainer may itself be waiting for the held update, and would never make room)."""
         while self._backlog and not self.stopped:
             self._snapshot_stats()
+            holding = self._holding_for_eval()
             t0 = time.perf_counter()
-            sent = self.sender.put(self._backlog[0], self.stats, timeout=0.05)
+            sent = self.sender.put(self._backlog[0], self.stats, timeout=0.0 if holding else 0.05)
             self.stats["send_blocked_s"] += time.perf_counter() - t0  # reaches the trainer with the next send
             if sent:
                 self._backlog.popleft()
                 self.stats["pause_ms_max"] = 0.0  # sent (the queue copied the counters): a new window starts
                 continue
-            if self._holding_for_eval():
+            if holding:  # never wait here: the engine must go on draining
                 return
             self._service_update()
 

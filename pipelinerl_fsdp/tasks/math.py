@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from pipelinerl_fsdp.config import ConfigError, TaskConfig
-from pipelinerl_fsdp.data.fields import PRESETS, field_spec, problem_fields
+from pipelinerl_fsdp.data.fields import ANSWER_FORMATS, PRESETS, field_spec, problem_fields
 from pipelinerl_fsdp.data.files import DataError, read_records
 from pipelinerl_fsdp.rewards.pool import RewardPool
 from pipelinerl_fsdp.rewards.scorer import PoolScorer, Scorer
@@ -40,10 +40,10 @@ class MathConfig(TaskConfig):
     train_files: list[str] = field(default_factory=list)
     eval_files: list[str] = field(default_factory=list)
     # field layout: a preset (gsm8k, math, orz, messages), any field overridden by name
-    preset: Literal["gsm8k", "math", "orz", "messages"] = "orz"
+    preset: str = "orz"  # a name in data/fields.py PRESETS
     question_field: str = ""
     answer_field: str = ""
-    answer_format: Literal["", "plain", "gsm8k", "boxed"] = ""
+    answer_format: str = ""  # "" (the preset's) or one of data/fields.py ANSWER_FORMATS
     solution_field: str = ""
     # the user turn: the question inside this template ({question}; literal braces doubled)
     prompt_template: str = DEFAULT_TEMPLATE
@@ -70,6 +70,8 @@ class MathConfig(TaskConfig):
             ("reward_workers", self.reward_workers >= 1, ">= 1"),
             ("reward_timeout_s", self.reward_timeout_s > 0, "> 0"),
             ("prompt_template", "{question}" in self.prompt_template, "a template containing {question}"),
+            ("preset", self.preset in PRESETS, f"one of {', '.join(map(repr, sorted(PRESETS)))}"),
+            ("answer_format", self.answer_format in ("", *ANSWER_FORMATS), f"'' or one of {ANSWER_FORMATS}"),
         ]
         return bad + [(key, what) for key, ok, what in checks if not ok]
 
@@ -167,6 +169,3 @@ def _gold_parses(gold: str) -> bool:
     from pipelinerl_fsdp.rewards.math_answer import parse_gold
 
     return bool(parse_gold(gold))
-
-
-assert set(PRESETS) == {"gsm8k", "math", "orz", "messages"}  # MathConfig.preset lists them

@@ -28,7 +28,6 @@ from pipelinerl_fsdp.job.world import World, uses_cuda, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.models import save_hf_folder
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
-from pipelinerl_fsdp.rl.loss import LossSettings
 from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics, update_pauses
 from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.training.checkpoint import load_checkpoint, save_checkpoint
@@ -38,7 +37,13 @@ from pipelinerl_fsdp.training.metrics import MetricsLogger, rl_console
 from pipelinerl_fsdp.training.parallelize import full_state_dict
 from pipelinerl_fsdp.training.policy import build_policy, load_sharded
 from pipelinerl_fsdp.training.rollout_log import RolloutLog, as_text
-from pipelinerl_fsdp.training.train_step import add_reference_logprobs, forward_backward, rl_loss_fn, sum_over_ranks
+from pipelinerl_fsdp.training.train_step import (
+    add_reference_logprobs,
+    forward_backward,
+    loss_settings,
+    rl_loss_fn,
+    sum_over_ranks,
+)
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, scatter_samples
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import PushStats, WeightSender
@@ -91,7 +96,7 @@ class RLTrainer:
             # training (and so the lag).
             self.receiver = RolloutReceiver(world.rollout_group, len(world.inference_ranks), self._wave_groups())
             self.collector = Collector(self.receiver, rl, len(world.inference_ranks))
-        self.loss_settings = LossSettings(kind=rl.loss, is_clip=rl.is_clip, ppo_eps=rl.ppo_eps, kl_coef=rl.kl_coef)
+        self.loss_settings = loss_settings(rl)
         self.tokenizer, self.task = inputs.tokenizer, inputs.task
         # held-out evaluation runs on the engines; their reports are joined here
         self.eval_sets = list(self.task.eval_sets())

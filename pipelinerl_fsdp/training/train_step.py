@@ -12,11 +12,17 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from pipelinerl_fsdp.config import RLConfig
 from pipelinerl_fsdp.models.decoder import Transformer
 from pipelinerl_fsdp.rl.loss import LossSettings, micro_batch_loss
 
 # (logp [1, T], entropy [1, T], micro-batch) -> (loss to backpropagate, summed statistics for logging)
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+def loss_settings(rl: RLConfig) -> LossSettings:
+    """The loss of the RL step from the `[rl]` section (`rl.loss` names its objective)."""
+    return LossSettings(kind=rl.loss, is_clip=rl.is_clip, ppo_eps=rl.ppo_eps, kl_coef=rl.kl_coef)
 
 
 def rl_loss_fn(batch_size: int, settings: LossSettings, n_ranks: int) -> LossFn:

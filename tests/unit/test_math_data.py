@@ -123,3 +123,10 @@ def test_eval_sets_are_named_by_file(tmp_path):
     )
     assert list(task.eval_sets()) == ["gsm8k_test"] and len(task.eval_sets()["gsm8k_test"]) == 10
     assert len(task.eval_split()) == 10
+
+
+def test_presets_and_answer_formats_are_checked_against_their_registry():
+    with pytest.raises(ConfigError, match=r"task\.preset = 'nope' must be one of 'gsm8k', 'math', 'messages', 'orz'"):
+        load_config(["--config", "math_tiny_cpu", "--task.preset=nope"])
+    with pytest.raises(ConfigError, match=r"task\.answer_format = 'latex' must be '' or one of"):
+        load_config(["--config", "math_tiny_cpu", "--task.answer_format=latex"])
