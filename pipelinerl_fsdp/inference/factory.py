@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from pipelinerl_fsdp.config import Config
-from pipelinerl_fsdp.inference.kinds import engine_class, engine_kind
+from pipelinerl_fsdp.inference.kinds import EngineKind, engine_kind
 
 if TYPE_CHECKING:
     from pipelinerl_fsdp.inference.engine import Engine
     from pipelinerl_fsdp.job.world import World
     from pipelinerl_fsdp.job_inputs import JobInputs
     from pipelinerl_fsdp.transport.weights import WeightReceiver
+
+
+def engine_class(kind: EngineKind) -> type[Engine]:
+    """The class `kind.impl` names, imported now (an engine's package loads only when one starts)."""
+    module, name = kind.impl.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def build_engine(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int) -> tuple[Engine, WeightReceiver]:

@@ -7,14 +7,9 @@ engine names. Adding an engine is its module (an `inference.engine.Engine`) plus
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from pipelinerl_fsdp.config import Config, ConfigError
-
-if TYPE_CHECKING:
-    from pipelinerl_fsdp.inference.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -52,9 +47,3 @@ def engine_kind(cfg: Config) -> EngineKind:
         raise ConfigError(
             f"inference.engine = {cfg.inference.engine!r} is not one of {sorted(ENGINE_KINDS)} ({cfg.source})"
         ) from None
-
-
-def engine_class(kind: EngineKind) -> type[Engine]:
-    """The class `kind.impl` names, imported now (an engine's package loads only when one starts)."""
-    module, name = kind.impl.split(":")
-    return getattr(importlib.import_module(module), name)

@@ -14,7 +14,8 @@ import torch
 from pipelinerl_fsdp.config import ConfigError
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference.engine import Request
-from pipelinerl_fsdp.inference.kinds import ENGINE_KINDS, EngineKind, engine_class, engine_kind
+from pipelinerl_fsdp.inference.factory import engine_class
+from pipelinerl_fsdp.inference.kinds import ENGINE_KINDS, EngineKind, engine_kind
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.rl import objectives
 from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss

@@ -1,4 +1,4 @@
-"""The package's layers: no import cycle (lazy imports included; imports for type checking only are not imports),
+"""The package's layers: no import cycle (lazy imports and imports for type checking included),
 the config schema depends on nothing of ours, and every module imports on its own."""
 
 from __future__ import annotations
@@ -17,25 +17,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
-    """Every node, less the bodies of `if TYPE_CHECKING:` blocks."""
-    out, todo = [], [tree]
-    while todo:
-        node = todo.pop()
-        out.append(node)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            todo.extend(node.orelse)
-            continue
-        todo.extend(ast.iter_child_nodes(node))
-    return out
-
-
 def import_graph() -> dict[str, set[str]]:
-    """module -> the package's modules it imports (at the top or inside functions)."""
+    """module -> the package's modules it imports (at the top, inside functions, or for type checking)."""
     mods = {module_name(p): p for p in PKG.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, path in mods.items():
-        for node in _runtime_nodes(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             elif isinstance(node, ast.Import):
