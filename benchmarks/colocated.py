@@ -140,7 +140,7 @@ class Colocated:
     def train(self, samples: list[Sample]) -> tuple[dict[str, float], float]:
         """The job's optimizer step on `samples`, then the new weights into the generator."""
         cfg = self.cfg
-        micro = rl_micro_batches(samples, cfg.trainer.micro_batch_tokens, self.device)
+        micro = rl_micro_batches(samples, cfg.trainer.micro_batch_tokens, self.device, self.version)
         loss_fn = rl_loss_fn(cfg.rl.batch_size, self.loss_settings, 1)  # the job's step, on one rank
         stats = forward_backward(
             self.policy.model,

@@ -11,9 +11,17 @@ rank of the default job is. Engines:
 - `plain`: the project's pure-PyTorch engine (`ReferenceEngine`: one process, batched decode with a KV cache).
 - `vllm`: the job's vLLM engine as the job runs it (no detokenisation).
 - `vllm+text`: the same with vLLM's detokenisation on (the job's setting before this benchmark).
+- `vllm-offline`: vLLM alone, as its users run it: `LLM.generate` on the same token ids and sampling (log-probs of
+  the sampled tokens, no detokenisation), in this process, bound to the same core;
+- `hf`: transformers' batched `generate` (left-padded, sampling, KV cache), the plain baseline everyone has.
 For vLLM, the CPU seconds of each of its processes over the measured rounds: the client (this process: vLLM's
 output processing, detokenisation, our loop), the engine core (scheduling, serialisation, the hop to the worker)
 and the worker (the model). Prints a table and writes JSON.
+
+A real model and task: `--config word_problems_smollm2_cpu` takes the model, the task's prompts through the
+chat template, the stop tokens and `task.max_new_tokens` from that training config, e.g.
+    python benchmarks/engine_overhead.py --config word_problems_smollm2_cpu --requests 16 --rounds 2 \
+        --engines vllm,vllm-offline,hf --out benchmarks/results/engine_overhead_smollm2.json
 """
 
 from __future__ import annotations
@@ -30,9 +38,12 @@ import torch
 from engines import run_engine
 from harness import RESULTS, report
 
+from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference.placement import VLLMPlacement
+from pipelinerl_fsdp.preflight import stop_token_ids
+from pipelinerl_fsdp.tasks import make_task
 from pipelinerl_fsdp.tasks.arithmetic import ChainSum, ChainSumConfig
-from pipelinerl_fsdp.tokenizer import load_tokenizer
+from pipelinerl_fsdp.tokenizer import encode_prompt, load_tokenizer
 
 
 def cpu_seconds(proc: psutil.Process) -> dict[str, float]:
@@ -52,18 +63,100 @@ def roles(before: dict[str, float], after: dict[str, float]) -> dict[str, float]
     return {k: round(after[k] - before.get(k, 0.0), 2) for k in after if after[k] - before.get(k, 0.0) > 0.01}
 
 
+class OneCall:
+    """`run_engine`'s add/step interface over an API that generates a whole batch in one call (`step`)."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+
+    def add(self, request) -> None:
+        self.pending.append(request)
+
+    def num_unfinished(self) -> int:
+        return len(self.pending)
+
+    def close(self) -> None:
+        pass
+
+
+class OfflineVLLM(OneCall):
+    """vLLM's own offline API (`LLM.generate`), one generate call per round."""
+
+    def __init__(self, model: Path, max_num_seqs: int, max_len: int, core: int, stops: list[int]) -> None:
+        from vllm import LLM
+
+        import pipelinerl_fsdp.inference.vllm_engine as ve
+
+        ve.quiet_vllm_logs()
+        os.environ.update(ve.engine_env(VLLMPlacement(str(core), None), os.environ))
+        kv = ve.kv_cache_gib_needed(ve.read_model_args(model), max_num_seqs, max_len, 4)
+        self.llm = LLM(
+            model=str(model), dtype="float32", max_model_len=max_len, max_num_seqs=max_num_seqs, seed=0,
+            enforce_eager=True, kv_cache_memory_bytes=int(kv * 2**30), logprobs_mode="processed_logprobs",
+            enable_prefix_caching=False, disable_log_stats=True,
+        )  # fmt: skip
+        super().__init__()
+        self.stops = stops
+
+    def step(self) -> None:
+        from vllm import SamplingParams, TokensPrompt
+
+        reqs, self.pending = self.pending, []
+        params = [
+            SamplingParams(temperature=1.0, max_tokens=r.max_tokens, logprobs=0, stop_token_ids=self.stops,
+                           seed=r.request_id, detokenize=False)
+            for r in reqs
+        ]  # fmt: skip
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in reqs], params, use_tqdm=False)
+        for r, o in zip(reqs, outs):
+            r.tokens = list(o.outputs[0].token_ids)
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+class HFGenerate(OneCall):
+    """transformers' batched `generate`: the plain baseline (left padding, sampling, its KV cache)."""
+
+    def __init__(self, model: Path, stops: list[int]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        super().__init__()
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        self.stops = stops
+
+    @torch.no_grad()
+    def step(self) -> None:
+        reqs, self.pending = self.pending, []
+        width = max(len(r.prompt_ids) for r in reqs)
+        pad = self.stops[0]
+        ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in reqs])
+        attn = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in reqs])
+        out = self.model.generate(
+            input_ids=ids, attention_mask=attn, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=self.stops, pad_token_id=pad,
+        )  # fmt: skip
+        for r, row in zip(reqs, out[:, width:].tolist()):
+            end = next((i + 1 for i, t in enumerate(row) if t in self.stops), len(row))  # the stop token counts
+            r.tokens = row[: min(end, r.max_tokens)]
+
+
 def bench(kind: str, model: Path, prompts: list[list[int]], a: argparse.Namespace, stops: list[int]) -> dict:
     import pipelinerl_fsdp.inference.vllm_engine as ve
 
     max_len = max(map(len, prompts)) + a.max_tokens
-    if kind == "plain":
+    original = ve.sampling_params
+    if kind == "vllm-offline":
+        engine = OfflineVLLM(model, a.requests, max_len, a.core, stops)
+    elif kind == "hf":
+        engine = HFGenerate(model, stops)
+    elif kind == "plain":
         from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
         from pipelinerl_fsdp.models.hf_io import load_hf_model
 
         net = load_hf_model(model, torch.device("cpu"), torch.float32)
         engine = ReferenceEngine(net, a.requests, max_len, stops, 1.0, 1.0, 0)
     else:
-        original = ve.sampling_params
         if kind == "vllm+text":  # the engine's sampling parameters as they were, detokenisation on
             ve.sampling_params = functools.partial(original, detokenize=True)
         kv = ve.kv_cache_gib_needed(ve.read_model_args(model), a.requests, max_len, 4)
@@ -93,7 +186,7 @@ def bench(kind: str, model: Path, prompts: list[list[int]], a: argparse.Namespac
     finally:
         if kind != "plain":
             engine.close()
-            ve.sampling_params = original
+        ve.sampling_params = original
     return {
         "engine": kind,
         "tokens": tokens,
@@ -109,30 +202,41 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=Path("outputs/warmstart/chain_sum-debug"))
     ap.add_argument("--requests", type=int, default=128, help="requests per round (the preset's batch)")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=0, help="0: 128, or the --config's task.max_new_tokens")
+    ap.add_argument("--config", default="", help="a training config: its model, task prompts, template and stops")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--core", type=int, default=(os.cpu_count() or 1) - 1)
     ap.add_argument("--engines", default="plain,vllm,vllm+text")
     ap.add_argument("--out", type=Path, default=RESULTS / "engine_overhead.json")
     a = ap.parse_args()
-    if not (a.model / "config.json").is_file():
-        raise SystemExit(
-            f"--model {a.model}: no HF model folder there; `python benchmarks/learning_speed.py --task chain_sum` "
-            "makes the long-tail warm start once (or pass another folder)"
-        )
+    n_prompts = a.requests * (a.rounds + 1)
+    if a.config:
+        cfg = load_config(["--config", a.config])
+        a.model = Path(cfg.model.path)
+        a.max_tokens = a.max_tokens or cfg.task.max_new_tokens
+        task = make_task(cfg.task)
+        tok = load_tokenizer(cfg.tokenizer.path or a.model)
+        prompts = [encode_prompt(tok, task.train_problem(0, i).prompt, cfg.tokenizer) for i in range(n_prompts)]
+        stops = stop_token_ids(a.model, tok)
+    else:
+        if not (a.model / "config.json").is_file():
+            raise SystemExit(
+                f"--model {a.model}: no HF model folder there; `python benchmarks/learning_speed.py --task "
+                "chain_sum` makes the long-tail warm start once (or pass another folder)"
+            )
+        a.max_tokens = a.max_tokens or 128
+        chain = ChainSum(ChainSumConfig(digits=2, min_terms=2, max_terms=12, max_new_tokens=a.max_tokens))
+        tok = load_tokenizer(a.model)
+        rng = random.Random(0)
+        prompts = [tok(chain.sample(rng).prompt, add_special_tokens=False)["input_ids"] for _ in range(n_prompts)]
+        stops = [tok.eos_token_id]
     os.sched_setaffinity(0, {a.core})
     torch.set_num_threads(1)
-    task = ChainSum(ChainSumConfig(digits=2, min_terms=2, max_terms=12, max_new_tokens=a.max_tokens))
-    tok = load_tokenizer(a.model)
-    rng = random.Random(0)
-    prompts = [
-        tok(task.sample(rng).prompt, add_special_tokens=False)["input_ids"] for _ in range(a.requests * (a.rounds + 1))
-    ]
-    rows = [bench(kind, a.model, prompts, a, [tok.eos_token_id]) for kind in a.engines.split(",")]
+    rows = [bench(kind, a.model, prompts, a, stops) for kind in a.engines.split(",")]
     plain = next((r["tokens_per_s"] for r in rows if r["engine"] == "plain"), None)
     print(
-        f"{a.rounds} rounds of {a.requests} long-tail requests (<= {a.max_tokens} tokens) on core {a.core}; "
-        "tokens/s: median (min-max) over rounds; CPU ms per 1k tokens by process"
+        f"{a.rounds} rounds of {a.requests} {a.config or 'long-tail'} requests (<= {a.max_tokens} tokens) on core "
+        f"{a.core}; tokens/s: median (min-max) over rounds; CPU ms per 1k tokens by process"
     )
     table = []
     for r in rows:
@@ -143,7 +247,8 @@ def main() -> None:
             ms.get(k, "-") for k in ("client", "engine core", "worker")])  # fmt: skip
     report(
         a.out,
-        "Engine overhead: tokens/s of vLLM through our engine against plain vLLM (CPU ms per 1k tokens by process)",
+        "Engine overhead: tokens/s of vLLM through our engine against vLLM alone, HF generate and our plain engine "
+        "(CPU ms per 1k tokens by process)",
         ["engine", "tokens/s", "vs plain", "client", "engine core", "worker"],
         table,
         {"settings": {k: str(v) for k, v in vars(a).items()}, "rows": rows},

@@ -15,6 +15,13 @@ advantages) and start from the same weights.
   (`clip_and_step`), and the per-step weight push's gather into send buffers (`WeightSender.push`, on a world of
   one rank, so the broadcast itself costs nothing here: `benchmarks/weight_sync.py` measures that).
 
+The real model's shape: `--model outputs/models/SmolLM2-135M-Instruct` (its config.json; random weights, the same
+arithmetic) with samples of its word-problem task's size, e.g. `--samples 16 --prompt 60 --completion 40
+--steps 5`. Against the hardware: this machine's matrix-product rate, measured here with the same thread count
+on the step's own shapes (tokens x hidden times hidden x {hidden, intermediate, vocabulary}), and the fraction of
+it the step reaches: 6 x parameters x tokens (the tied head counted: its product is real work) over the step's
+time. `--profile`: the top operators of one step by self CPU time (torch.profiler).
+
 Prints a table (median ms per step of each part, and our total over the plain loop); writes JSON.
 """
 
@@ -34,7 +41,7 @@ from harness import RESULTS, report
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipelinerl_fsdp.config import OptimizerConfig
-from pipelinerl_fsdp.models import build_model, flavour_args
+from pipelinerl_fsdp.models import build_model, flavour_args, read_model_args
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
 from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
 from pipelinerl_fsdp.samples import Sample
@@ -95,9 +102,37 @@ def median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1000
 
 
+def matmul_gflops(tokens: int, shapes: list[tuple[int, int]], repeats: int = 5) -> float:
+    """This machine's fp32 matrix-product rate (GFLOP/s, at the current thread count) on [tokens, k] x [k, n] for
+    each (k, n) in `shapes`, forward and both backward products: the median over `repeats` rounds of all of them."""
+    flops = sum(3 * 2 * tokens * k * n for k, n in shapes)
+    mats = [(torch.randn(tokens, k), torch.randn(k, n), torch.randn(tokens, n)) for k, n in shapes]
+    rates = []
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        for x, w, g in mats:
+            x @ w  # forward
+            g @ w.T  # gradient of the input
+            x.T @ g  # gradient of the weight
+        if r:
+            rates.append(flops / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
+def profile_step(model: torch.nn.Module, micro: list, loss_fn, device: torch.device, rows: int = 15) -> str:
+    """The top operators of one forward/backward by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        forward_backward(model, micro, loss_fn, 1.0, None, device)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavour", default="debug")
+    p.add_argument("--model", type=Path, default=None, help="an HF model folder: its shape instead of --flavour")
+    p.add_argument("--profile", action="store_true")
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--prompt", type=int, default=8)
     p.add_argument("--completion", type=int, default=5)
@@ -111,7 +146,8 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29556")
     dist.init_process_group("gloo", rank=0, world_size=1)
     device = torch.device("cpu")
-    args = flavour_args(a.flavour)
+    args = read_model_args(a.model) if a.model else flavour_args(a.flavour)
+    name = a.model.name if a.model else a.flavour
     plain = build_model(args, device=device, seed=0)
     ours = build_model(args, device=device, seed=0)
     apply_fsdp(ours, init_device_mesh("cpu", (1,)), torch.float32, torch.float32, False)
@@ -142,27 +178,45 @@ def main() -> None:
             for k, t0, t1 in zip(PARTS, t, t[1:]):
                 parts[k].append(t1 - t0)
     ms = {k: median_ms(v) for k, v in parts.items()}
+    if a.profile:
+        print(profile_step(ours, rl_micro_batches(samples, a.micro_batch_tokens, device), loss_fn, device))
     total = sum(v for k, v in ms.items() if k != "plain")
     tokens = sum(
         len(s.prompt_ids) + len(s.completion_ids)
         for s in make_samples(a.samples, a.prompt, a.completion, args.vocab_size, 0)
     )
+    hidden, inter = args.hidden_size, args.intermediate_size
+    gflops = matmul_gflops(
+        min(tokens, a.micro_batch_tokens), [(hidden, hidden), (hidden, inter), (hidden, args.vocab_size)]
+    )
+    model_gflop = 6 * args.num_params() * tokens / 1e9  # per step, forward + backward (attention left out)
     print(
-        f"{args.num_params() / 1e6:.2f}M-parameter '{a.flavour}' model, {a.samples} samples (~{tokens} tokens) per "
-        f"step, {a.threads} thread(s), median of {a.steps} steps"
+        f"{args.num_params() / 1e6:.2f}M-parameter '{name}' model, {a.samples} samples (~{tokens} tokens) per "
+        f"step, {a.threads} thread(s), median of {a.steps} steps; matrix products here: {gflops:.1f} GFLOP/s"
     )
     table = [[k, round(ms[k], 1), f"{ms[k] / total:.0%}"] for k in ("pack", "forward_backward", "optimizer", "push")]
     table += [["**ours, total**", round(total, 1), "100%"], ["plain loop", round(ms["plain"], 1), ""]]
     row = {
-        "flavour": a.flavour,
+        "model": name,
+        "params_m": round(args.num_params() / 1e6, 1),
         "samples": a.samples,
+        "tokens": tokens,
         "threads": a.threads,
         "median_ms": ms,
         "ratio": total / ms["plain"],
+        "tokens_per_s": tokens / (total / 1000),
+        "plain_tokens_per_s": tokens / (ms["plain"] / 1000),
+        "matmul_gflops": gflops,
+        # the share of the measured matrix-product rate that the model's own arithmetic takes of our step
+        "matmul_frac": model_gflop / (total / 1000) / gflops,
+        "plain_matmul_frac": model_gflop / (ms["plain"] / 1000) / gflops,
     }
     report(a.out, "Our trainer step against a textbook padded loop", ["part", "ms per step", "share of our step"],
            table, row)  # fmt: skip
-    print(f"ours / plain: {total / ms['plain']:.2f}x")
+    print(
+        f"ours / plain: {total / ms['plain']:.2f}x; ours {row['tokens_per_s']:.1f} tokens/s = "
+        f"{row['matmul_frac']:.0%} of the matrix-product rate (plain loop {row['plain_matmul_frac']:.0%})"
+    )
     dist.destroy_process_group()
 
 

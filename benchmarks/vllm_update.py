@@ -11,6 +11,8 @@ tokens submitted together to the idle engine.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour debug
     python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour small
+    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py \
+        --model outputs/models/SmolLM2-135M-Instruct --loads reload,inplace --updates 3   # a real model, 538 MB
 
 One model per job, as in the real job (a second AsyncLLM started in the same process after closing the first hung
 here once; not investigated). Prints a table row per load way; writes benchmarks/results/vllm_update_<flavour>.json.
@@ -34,9 +36,9 @@ from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement
 from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine
 from pipelinerl_fsdp.inference.vllm_load import LOADS
 from pipelinerl_fsdp.job.world import init_world
-from pipelinerl_fsdp.models import FLAVOURS, build_model, flavour_args, save_hf_folder
+from pipelinerl_fsdp.models import FLAVOURS, build_model, flavour_args, load_hf_model, save_hf_folder
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
-from pipelinerl_fsdp.tokenizer import build_char_tokenizer
+from pipelinerl_fsdp.tokenizer import build_char_tokenizer, load_tokenizer
 from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import WeightReceiver, WeightSender
 
@@ -52,19 +54,29 @@ def memcpy_ms(nbytes: int) -> float:
 
 
 def bench(
-    name: str, n_updates: int, loads: list[str], work: Path, world, cfg: Config, gpu: bool = False
+    name: str,
+    n_updates: int,
+    loads: list[str],
+    work: Path,
+    world,
+    cfg: Config,
+    gpu: bool = False,
+    real: Path | None = None,
 ) -> list[dict] | None:
-    tok = build_char_tokenizer(ALPHABET)
-    # the flavour's body with the character vocabulary ("small": 75.6M parameters then)
-    args = flavour_args(name, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = build_model(args, seed=0).eval()
+    if real is not None:  # a real model folder (SmolLM2: 538 MB in fp32), its own weights and tokenizer
+        tok, model, name = load_tokenizer(real), load_hf_model(real).eval(), real.name
+    else:
+        tok = build_char_tokenizer(ALPHABET)
+        # the flavour's body with the character vocabulary ("small": 75.6M parameters then)
+        args = flavour_args(name, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        model = build_model(args, seed=0).eval()
     layout = [(n, p.shape) for n, p in model.named_parameters()]
     # --gpu: the engine on GPU 0 in bf16 (the weights travel in bf16); the buckets still go over gloo, since one GPU
     # cannot hold both ends of an NCCL group
     wire = torch.bfloat16 if gpu else torch.float32
     nbytes = sum(p.numel() for p in model.parameters()) * (2 if gpu else 4)
-    folder = work / name
-    if world.rank == 0:
+    folder = real or work / name
+    if world.rank == 0 and real is None:
         save_hf_folder(folder, args, model.state_dict())
         tok.save_pretrained(str(folder))
     dist.barrier()
@@ -175,6 +187,7 @@ def bench(
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--flavour", choices=sorted(FLAVOURS), default="debug")
+    p.add_argument("--model", type=Path, default=None, help="a real HF model folder instead of --flavour")
     p.add_argument("--updates", type=int, default=5, help="updates per load way")
     p.add_argument("--loads", default=",".join(LOADS), help=f"load ways to compare, in this order ({LOADS})")
     p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/vllm_update_<flavour>.json")
@@ -190,7 +203,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         obj = [tmp]
         dist.broadcast_object_list(obj, src=0)  # one folder for both ranks
-        rows = bench(a.flavour, a.updates, loads, Path(obj[0]), world, cfg, a.gpu)
+        rows = bench(a.flavour, a.updates, loads, Path(obj[0]), world, cfg, a.gpu, a.model)
     if world.rank == 1:
         assert rows is not None
         table = [
@@ -202,8 +215,8 @@ def main() -> None:
         ]  # fmt: skip
         cols = ["model", "load", "MB", "pause ms (median, min..max)", "in the worker (bucket waits)", "memcpy ms",
                 "pause / memcpy", "tokens/s after"]  # fmt: skip
-        report(a.out or RESULTS / f"vllm_update_{a.flavour}.json", "A vLLM engine's pause per in-flight update",
-               cols, table, {"rows": rows})  # fmt: skip
+        out = a.out or RESULTS / f"vllm_update_{a.model.name if a.model else a.flavour}.json"
+        report(out, "A vLLM engine's pause per in-flight update", cols, table, {"rows": rows})
     dist.barrier()
     dist.destroy_process_group()
 

@@ -234,6 +234,10 @@ class RLConfig:
     # receive queue holds one part, so generation runs less far ahead of training (lower lag). 1: wait for the
     # whole batch first.
     waves: int = 1
+    # start-up check, on the first step that has tokens sampled by the weights being trained (lag 0): the mean
+    # |log pi_trainer - log pi_engine| over them must stay under this bound, or the job stops before the first
+    # update with the numbers (a wrong tokenizer, chat template, dtype or head shows here first); 0: no check
+    check_mismatch: float = 0.25
 
 
 @dataclass
@@ -363,6 +367,7 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("rl", "kl_coef"): (lambda v: v >= 0, ">= 0"),
     ("rl", "sync_every"): (lambda v: v >= 1, ">= 1"),
     ("rl", "waves"): (lambda v: v >= 1, ">= 1"),
+    ("rl", "check_mismatch"): (lambda v: v >= 0, ">= 0 (0: no check)"),
     ("eval", "every"): (lambda v: v >= 0, ">= 0"),
     ("eval", "samples"): (lambda v: v >= 1, ">= 1"),
     ("eval", "temperature"): (lambda v: v >= 0, ">= 0 (0: greedy)"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import signal
 import sys
@@ -94,10 +95,16 @@ def run(cfg: Config) -> None:
             run_warmstart(cfg, world)
     elif cfg.job.stage == "rl":
         run_rl(cfg, world)
-    shutdown()
+    if stopping.requested() is None:
+        shutdown()
+    # else a stop arrived after the last step: the engines are gone and the rollout receiver may still be blocked
+    # in a receive on its group; destroying the groups under it gains nothing, the process exits at once (main)
 
 
 def main(argv: list[str] | None = None) -> int:
+    # a native crash (SIGSEGV, SIGABRT from a corrupted heap, ...) prints every Python thread's stack before the
+    # rank dies, so the log says which thread was where
+    faulthandler.enable(all_threads=True)
     # Until the trainer loop takes over (graceful stop, see stopping.py), a signal stops this rank at once:
     # checkpoints already written are complete (a save cut short is never resumed from).
     stopping.install(graceful=False, on_exit=kill_descendants)

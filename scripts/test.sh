@@ -15,4 +15,4 @@ echo "[test] ruff check + format" >&2
 echo "[test] unit tests" >&2
 .venv/bin/python -m pytest -q -ra tests/unit
 echo "[test] end-to-end tests" >&2
-exec .venv/bin/python -m pytest -q -ra tests/e2e
+exec .venv/bin/python -m pytest -q -ra --durations=15 tests/e2e  # the slowest, for the 25-minute budget

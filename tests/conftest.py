@@ -55,25 +55,7 @@ def torchrun_script(
 ) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node nproc script args...` on a fresh local rendezvous; output captured."""
     cmd, env = torchrun_command(nproc, script, *args, threads=threads, max_restarts=max_restarts)
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0 and native_heap_abort(r.stderr):
-        # A rare native crash (glibc heap-corruption abort, about 1 run in 10 of the 4-rank vLLM job on this
-        # machine, not yet root-caused): it is reported on stderr and the job is run once more, so that CI shows
-        # the code's behaviour instead of this flake. Any other failure is returned as is.
-        print(
-            f"WARNING: native heap abort in {script.name}, running the job once more:\n{r.stderr[-2000:]}",
-            file=sys.stderr,
-        )
-        cmd[cmd.index("--rdzv-endpoint") + 1] = f"127.0.0.1:{free_port()}"
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    return r
-
-
-def native_heap_abort(stderr: str) -> bool:
-    """glibc's abort on a corrupted heap ("malloc_consolidate(): unaligned fastbin chunk detected", "double free
-    or corruption", ...) that took a rank down with SIGABRT."""
-    glibc = ("malloc_consolidate()", "malloc(): ", "double free or corruption", "free(): invalid", "corrupted size")
-    return "SIGABRT" in stderr and any(m in stderr for m in glibc)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def torchrun(

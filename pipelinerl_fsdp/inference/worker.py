@@ -27,7 +27,7 @@ from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.inference.engine import Engine, Request
 from pipelinerl_fsdp.inference.evaluator import EngineEvaluator
 from pipelinerl_fsdp.inference.factory import build_engine
-from pipelinerl_fsdp.job.faults import maybe_fail
+from pipelinerl_fsdp.job.faults import logprob_shift, maybe_fail
 from pipelinerl_fsdp.job.world import World, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
@@ -230,6 +230,7 @@ class InferenceWorker:
         rids = sorted(g.done)
         rewards = [g.scores[r][0] for r in rids]
         advs = group_advantages(rewards, rl.baseline, rl.std_normalize)
+        shift = logprob_shift()  # a test's fault: 0.0
         samples = []
         for rid, reward, adv in zip(rids, rewards, advs):
             r = g.done[rid]
@@ -238,7 +239,7 @@ class InferenceWorker:
                     gid,
                     g.prompt_ids,
                     r.tokens,
-                    r.logprobs,
+                    [lp + shift for lp in r.logprobs] if shift else r.logprobs,
                     r.versions,
                     reward,
                     adv,

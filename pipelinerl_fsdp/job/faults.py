@@ -10,6 +10,8 @@ POINT says where:
                bucket; `raise` fails the RPC, `kill` takes the engine core down, as the OOM killer would);
   save         a trainer rank while saving the checkpoint of step STEP: its files written, meta.json not yet.
 PIPELINERL_FAULT_NAN="STEP,STEP,..." makes the RL loss NaN at those optimizer steps (0-based) on every trainer rank.
+PIPELINERL_FAULT_LOGPROB_SHIFT="X" adds X to every log-prob an inference rank sends with its rollouts, as an engine
+that computes another distribution than the trainer would (the start-up check `rl.check_mismatch` must stop the job).
 
 Faults fire in the first attempt of a job only: after torchrun restarts the workers (`--max-restarts`,
 TORCHELASTIC_RESTART_COUNT > 0) the run goes on undisturbed, so a test sees the recovery.
@@ -32,6 +34,12 @@ def _first_attempt() -> bool:
 def nan_loss_at(step: int) -> bool:
     spec = os.environ.get("PIPELINERL_FAULT_NAN")
     return bool(spec) and _first_attempt() and step in {int(x) for x in spec.split(",")}
+
+
+def logprob_shift() -> float:
+    """PIPELINERL_FAULT_LOGPROB_SHIFT (0.0 when unset)."""
+    spec = os.environ.get("PIPELINERL_FAULT_LOGPROB_SHIFT")
+    return float(spec) if spec and _first_attempt() else 0.0
 
 
 POINTS = ("step", "update", "core-update", "save")

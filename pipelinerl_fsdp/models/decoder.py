@@ -278,10 +278,15 @@ class Transformer(nn.Module):
         cache: AttentionCache | None = None,
         mask: torch.Tensor | None = None,
         logprob_chunk_size: int = 1024,
+        logprob_positions: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, position_ids, targets: [B, T]. Without targets: logits [B, T, V] (fp32).
 
         With targets: (logp [B, T], entropy [B, T]) of `targets` under softmax(logits / temperature).
+        `logprob_positions` ([B, T], nonzero where a log-prob is needed): the head runs only there, and logp and
+        entropy are 0 elsewhere. An RL step needs them at completion tokens only, and the head over a large
+        vocabulary is a large share of a small model's work (SmolLM2: 28M of its 135M parameters), most of it
+        spent on prompt positions otherwise.
         `mask` overrides the packed-causal mask derived from position_ids (the KV cache supplies its own).
         """
         b, t = input_ids.shape
@@ -299,7 +304,12 @@ class Transformer(nn.Module):
         h = self.model.norm(h)
         if targets is None:
             return self.lm_head(h).float()
-        return token_logprobs(h, self.lm_head.weight, targets, temperature, logprob_chunk_size)
+        if logprob_positions is None:
+            return token_logprobs(h, self.lm_head.weight, targets, temperature, logprob_chunk_size)
+        where = logprob_positions.bool()
+        logp, entropy = token_logprobs(h[where], self.lm_head.weight, targets[where], temperature, logprob_chunk_size)
+        zeros = torch.zeros(targets.shape, dtype=torch.float32, device=h.device)
+        return zeros.masked_scatter(where, logp), zeros.masked_scatter(where, entropy)
 
 
 def build_model(

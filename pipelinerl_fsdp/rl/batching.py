@@ -26,9 +26,16 @@ def split_balanced(samples: list[Sample], n: int) -> list[list[Sample]]:
     return parts
 
 
-def rl_micro_batches(samples: list[Sample], budget: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
-    """Pack samples (prompt + completion) into micro-batches; per-token fields aligned with the targets."""
-    seqs, fields = [], {"mask": [], "behaviour_logp": [], "advantage": []}
+def rl_micro_batches(
+    samples: list[Sample], budget: int, device: torch.device, version: int | None = None
+) -> list[dict[str, torch.Tensor]]:
+    """Pack samples (prompt + completion) into micro-batches; per-token fields aligned with the targets. With the
+    trained `version`, field `current` marks the completion tokens that version sampled (lag 0: where engine and
+    trainer log-probs should agree, see `rl.loss.policy_loss`)."""
+    seqs: list[list[int]] = []
+    fields: dict[str, list[list[float]]] = {"mask": [], "behaviour_logp": [], "advantage": []}
+    if version is not None:
+        fields["current"] = []
     for s in samples:
         seqs.append(s.prompt_ids + s.completion_ids)
         n_prompt_targets = len(s.prompt_ids) - 1
@@ -36,6 +43,8 @@ def rl_micro_batches(samples: list[Sample], budget: int, device: torch.device) -
         fields["mask"].append([0.0] * n_prompt_targets + [1.0] * n)
         fields["behaviour_logp"].append([0.0] * n_prompt_targets + list(s.logprobs))
         fields["advantage"].append([0.0] * n_prompt_targets + [s.advantage] * n)
+        if version is not None:
+            fields["current"].append([0.0] * n_prompt_targets + [float(v == version) for v in s.versions])
     bins = pack_into_bins([len(s) for s in seqs], budget)
     return [
         collate_packed([seqs[i] for i in b], {k: [v[i] for i in b] for k, v in fields.items()}, device) for b in bins

@@ -23,6 +23,7 @@ def policy_loss(
     num_sequences: float,
     settings: LossSettings,
     ref_logp: torch.Tensor | None = None,
+    current: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch, normalised by `num_sequences` (B: sequences in the whole optimizer step).
 
@@ -32,6 +33,9 @@ def policy_loss(
     Returns the loss and summed statistics for ESS and logging: sum_rho, sum_rho2 of the raw importance weights
     rho (the paper's ESS); sum_w, sum_w2 of the weights the update applies (the truncated rho_bar for REINFORCE,
     the unclipped rho for PPO, whose clipping acts on the objective, not on the weights); tokens, kl, clipped.
+    `current` (1 on tokens sampled by the weights being trained, lag 0): there rho differs from 1 only by the
+    engine/trainer mismatch (kernels, dtype, a wrong tokenizer or template); summed as lag0_tokens, lag0_k3
+    (k3 estimate of KL(engine || trainer): rho - 1 - log rho, on the engine's samples) and lag0_abs_log_ratio.
     """
     log_ratio = (logp - behaviour_logp).clamp(max=30.0)  # exp() stays finite for wildly stale tokens
     rho = torch.exp(log_ratio)
@@ -56,8 +60,20 @@ def policy_loss(
         "tokens": float(mask.sum()),
         "kl": kl_sum,
         "clipped": float((clipped * mask).sum()),
+        **lag0_mismatch_sums(log_ratio.detach(), mask * current if current is not None else torch.zeros_like(mask)),
     }
     return loss / num_sequences, stats
+
+
+def lag0_mismatch_sums(log_ratio: torch.Tensor, lag0: torch.Tensor) -> dict[str, float]:
+    """Sums over the tokens where `lag0` is 1 of the k3 term rho - 1 - log rho (>= 0; its mean estimates
+    KL(engine || trainer) from the engine's samples) and of |log rho|, rho = pi_trainer / pi_engine."""
+    k3 = torch.expm1(log_ratio) - log_ratio
+    return {
+        "lag0_tokens": float(lag0.sum()),
+        "lag0_k3": float((k3 * lag0).sum()),
+        "lag0_abs_log_ratio": float((log_ratio.abs() * lag0).sum()),
+    }
 
 
 def micro_batch_loss(
@@ -71,6 +87,9 @@ def micro_batch_loss(
     reference model scored it), with the summed entropy of its counted tokens added to the statistics."""
     mb, mask = micro_batch, micro_batch["mask"][0]
     ref = mb["ref_logp"][0] if "ref_logp" in mb else None
-    loss, stats = policy_loss(logp[0], mb["behaviour_logp"][0], mb["advantage"][0], mask, num_sequences, settings, ref)
+    current = mb["current"][0] if "current" in mb else None
+    loss, stats = policy_loss(
+        logp[0], mb["behaviour_logp"][0], mb["advantage"][0], mask, num_sequences, settings, ref, current
+    )
     stats["entropy"] = float((entropy[0] * mask).sum())
     return loss, stats

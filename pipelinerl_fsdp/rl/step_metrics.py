@@ -10,7 +10,19 @@ from pipelinerl_fsdp.rl.ess import ess_from_sums
 from pipelinerl_fsdp.samples import Sample
 
 # Sums the loss reports per micro-batch, reduced over the trainer ranks (see rl.loss.policy_loss).
-LOSS_SUMS = ("sum_rho", "sum_rho2", "sum_w", "sum_w2", "tokens", "entropy", "clipped", "kl")
+LOSS_SUMS = (
+    "sum_rho",
+    "sum_rho2",
+    "sum_w",
+    "sum_w2",
+    "tokens",
+    "entropy",
+    "clipped",
+    "kl",
+    "lag0_tokens",
+    "lag0_k3",
+    "lag0_abs_log_ratio",
+)
 
 
 @dataclass
@@ -70,6 +82,29 @@ def outcome_fractions(samples: list[Sample]) -> dict[str, float]:
     return {f"outcome/{name}": sum(1 for s in samples if s.outcome == code) / n for code, name in enumerate(OUTCOMES)}
 
 
+def mismatch(sums: dict[str, float]) -> dict[str, float]:
+    """`mismatch_kl` and `mismatch_abs_log_ratio`: means over the step's lag-0 tokens (`rl.loss.policy_loss`)."""
+    n = sums.get("lag0_tokens", 0.0)
+    if n <= 0:
+        return {"mismatch_kl": float("nan"), "mismatch_abs_log_ratio": float("nan")}
+    return {"mismatch_kl": sums["lag0_k3"] / n, "mismatch_abs_log_ratio": sums["lag0_abs_log_ratio"] / n}
+
+
+def mismatch_error(sums: dict[str, float], bound: float) -> str | None:
+    """Why the engine's and the trainer's log-probs of the same lag-0 tokens disagree beyond `bound` (mean
+    |log ratio|, `rl.check_mismatch`), or None when they agree (or there are no such tokens to compare)."""
+    m = mismatch(sums)
+    if not sums.get("lag0_tokens", 0.0) or m["mismatch_abs_log_ratio"] <= bound:
+        return None
+    return (
+        f"the trainer's log-probs of {sums['lag0_tokens']:.0f} tokens that the engines sampled with the same weights "
+        f"differ from the engines' by {m['mismatch_abs_log_ratio']:.4g} on average (|log ratio|; KL(engine || "
+        f"trainer) {m['mismatch_kl']:.4g}), above rl.check_mismatch = {bound:g}: engine and trainer do not compute "
+        "the same distribution (a different model folder, tokenizer or chat template, dtype, temperature or head); "
+        "stopping before the first update"
+    )
+
+
 def step_metrics(
     samples: list[Sample],
     trained_version: int,
@@ -104,10 +139,15 @@ def step_metrics(
         "entropy": sums["entropy"] / tokens,
         "is_clipped_frac": sums["clipped"] / tokens,
         "kl": sums["kl"] / tokens,
+        # engine vs trainer on the tokens the trained weights sampled themselves (lag 0): KL(engine || trainer)
+        # (k3) and the mean |log ratio|; NaN in a step with no such token
+        **mismatch(sums),
         "completion_len": sums["tokens"] / len(samples),
         "truncated_frac": sum(1 for s in samples if not s.finished) / len(samples),
         "zero_adv_group_frac": zero_advantage_group_frac(samples),
         "gen_tokens_per_s": (engines.gen_tokens - engines_before.gen_tokens) / (times.end - times.previous_end),
+        # the engines' own speed: tokens per second of their busy time (what they can do, not what the trainer takes)
+        "gen_tokens_per_busy_s": (engines.gen_tokens - engines_before.gen_tokens) / busy if busy > 0 else float("nan"),
         "train_tokens_per_s": sum(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
         / (times.end - times.data),
         # busy = computing; blocked = waiting on the other side (trainer: pushes; engines' loops: a full queue)

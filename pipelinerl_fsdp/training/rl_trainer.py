@@ -28,7 +28,14 @@ from pipelinerl_fsdp.job.world import World, uses_cuda, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.models import save_hf_folder
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
-from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics, update_pauses
+from pipelinerl_fsdp.rl.step_metrics import (
+    LOSS_SUMS,
+    EngineCounters,
+    StepTimes,
+    mismatch_error,
+    step_metrics,
+    update_pauses,
+)
 from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.training.checkpoint import load_checkpoint, save_checkpoint
 from pipelinerl_fsdp.training.collector import Collector
@@ -47,6 +54,10 @@ from pipelinerl_fsdp.training.train_step import (
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, scatter_samples
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import PushStats, WeightSender
+
+
+class MismatchError(RuntimeError):
+    """The engines and the trainer disagree on the log-probs of tokens sampled with the same weights."""
 
 
 class RLTrainer:
@@ -104,6 +115,7 @@ class RLTrainer:
         self._evals_done: list[dict[str, float]] = []  # completed since the last record, oldest first
         self.version = self.start_step = 0
         self.nonfinite_in_row = self.skipped_steps = 0
+        self._mismatch_checked = False  # rl.check_mismatch runs once, on the first step with lag-0 tokens
         resume_from, skipped = resume_point(cfg)
         for warning in skipped if world.is_main else []:
             print(f"[rl] warning: {warning}", flush=True)
@@ -171,7 +183,7 @@ class RLTrainer:
             t_wait = time.perf_counter()
             mine = self._my_share()
             waited += time.perf_counter() - t_wait
-            micro = rl_micro_batches(mine, cfg.trainer.micro_batch_tokens, device)
+            micro = rl_micro_batches(mine, cfg.trainer.micro_batch_tokens, device, self.version)
             if self.ref_model is not None:
                 add_reference_logprobs(
                     self.ref_model,
@@ -200,6 +212,7 @@ class RLTrainer:
             for p in self.policy.model.parameters():  # as if the loss had been NaN: every gradient NaN
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
+        self._check_mismatch(stats)
         lr = self.policy.lr
         t_finish = time.perf_counter()
         with waiting_for(f"the engines to receive weight version {self.version}", world.rank):
@@ -250,6 +263,20 @@ class RLTrainer:
                 StepTimes(t_start, t_data, t_end, self._t_prev, self._push_s),
             )
         self._t_prev = t_end
+
+    def _check_mismatch(self, stats: dict[str, float]) -> None:
+        """`rl.check_mismatch`: before the first update, on every trainer rank (a collective)."""
+        bound = self.cfg.rl.check_mismatch
+        if self._mismatch_checked or not bound:
+            return
+        keys = ("lag0_tokens", "lag0_k3", "lag0_abs_log_ratio")
+        world = self.world
+        sums = dict(zip(keys, sum_over_ranks([stats.get(k, 0.0) for k in keys], world.trainer_group, world.device)))
+        if sums["lag0_tokens"] > 0:  # else the next step checks (no token of the trained version in this batch)
+            self._mismatch_checked = True
+            error = mismatch_error(sums, bound)
+            if error is not None:
+                raise MismatchError(error)
 
     def _log(
         self,

@@ -87,6 +87,7 @@ def forward_backward(
             targets=mb["targets"],
             temperature=temperature,
             logprob_chunk_size=chunk_size,
+            logprob_positions=mb.get("mask"),  # completion tokens only (the dummy pass has no mask: its one token)
         )
         if real:
             loss, s = loss_fn(logp, ent, mb)
@@ -117,6 +118,7 @@ def add_reference_logprobs(
             targets=mb["targets"],
             temperature=temperature,
             logprob_chunk_size=chunk_size,
+            logprob_positions=mb.get("mask"),
         )
         if i < len(micro_batches):
             micro_batches[i]["ref_logp"] = logp

@@ -33,6 +33,8 @@ UPDATE, STOP = 1, 2
 # send buffers per sender (and receive buffers per vLLM worker): one bucket in flight while the next is gathered
 IN_FLIGHT = 2
 _LAYER = re.compile(r"^(model\.layers\.\d+)\.")
+# torch 2.13 renamed all_gather_into_tensor (which now warns on every call); older torch has only the old name
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def in_decoder_layer(name: str) -> bool:
@@ -309,10 +311,10 @@ class WeightSender:
             if mesh.size() == 1:
                 out.copy_(local.detach().view(p.shape))  # gloo's all-gather copies ~10x slower than a memcpy
             elif even and out.device == local.device:
-                dist.all_gather_into_tensor(out, local.detach().to(self.dtype).contiguous(), group=mesh.get_group())
+                _all_gather(out, local.detach().to(self.dtype).contiguous(), group=mesh.get_group())
             elif even:  # GPU shards, CPU buffer (engines on CPU beside GPU trainers): gather there, then copy
                 full = torch.empty(p.shape, dtype=self.dtype, device=local.device)
-                dist.all_gather_into_tensor(full, local.detach().to(self.dtype).contiguous(), group=mesh.get_group())
+                _all_gather(full, local.detach().to(self.dtype).contiguous(), group=mesh.get_group())
                 out.copy_(full)
             else:
                 out.copy_(p.detach().to(self.dtype).full_tensor())

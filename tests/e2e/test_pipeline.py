@@ -183,6 +183,10 @@ def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc,
     assert METRIC_KEYS <= recs[0].keys()
     assert [x["version"] for x in recs] == list(range(1, 13))
     assert recs[0]["lag_max"] == 0 and recs[0]["ess"] == pytest.approx(1.0, abs=1e-4)  # first step: on-policy
+    # engine and trainer agree on the tokens the trained weights sampled (both fp32: ~1e-6 per token; a wrong
+    # weight load, head or temperature would be ~0.1-1); every step that had such tokens, the first at least
+    lag0 = [x for x in recs if math.isfinite(x["mismatch_abs_log_ratio"])]
+    assert lag0[0] is recs[0] and all(x["mismatch_abs_log_ratio"] < 1e-3 and x["mismatch_kl"] < 1e-5 for x in lag0)
     assert max(x["lag_max"] for x in recs) <= bound and recs[-1]["dropped_stale"] == 0
     assert max(x["lag_max"] for x in recs) >= 1  # engines really generate while the trainer trains
     assert all(x["gen_tokens_per_s"] > 0 and x["train_tokens_per_s"] > 0 for x in recs[1:])
@@ -587,3 +591,16 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(warm_folder, tmp_path):
         assert "non-finite loss or gradient in 2 steps in a row (up to step 5" in r.stderr
     finally:
         del os.environ["PIPELINERL_FAULT_NAN"]
+
+
+def test_engine_trainer_mismatch_stops_the_job_before_the_first_update(warm_folder, tmp_path):
+    """An engine whose log-probs are off by 0.5 for every token (PIPELINERL_FAULT_LOGPROB_SHIFT): the start-up check
+    (`rl.check_mismatch`, default 0.25) stops the job at its first step with the numbers, before any update."""
+    os.environ["PIPELINERL_FAULT_LOGPROB_SHIFT"] = "0.5"
+    try:
+        r = short_run(2, 1, warm_folder, tmp_path, "--inference.engine=reference", "--rl.max_steps=4", timeout=180)
+    finally:
+        del os.environ["PIPELINERL_FAULT_LOGPROB_SHIFT"]
+    assert r.returncode != 0
+    assert "differ from the engines' by 0.5 on average" in r.stderr and "rl.check_mismatch = 0.25" in r.stderr
+    assert not (tmp_path / "rl" / "metrics.jsonl").exists() or not records(tmp_path)  # no step was completed

@@ -64,3 +64,45 @@ def test_smollm2_answers_through_its_chat_template_and_is_scored(smollm_folder):
     print(f"SMOLLM2_ANSWER {text!r} -> {outcome}")
     assert text.strip() and "19" in text  # the pretrained model knows this one
     assert outcome in ("correct", "no_answer", "wrong") and reward == (1.0 if outcome == "correct" else 0.0)
+
+
+def test_smollm2_job_engine_and_trainer_agree_through_the_chat_template(smollm_folder, tmp_path):
+    """The real model's whole path, two steps: vLLM generates word problems through SmolLM2's chat template, the
+    FSDP2 trainer trains on them. The trainer's log-probs of the first step's tokens (sampled by the same weights)
+    match the engine's; every dumped prompt is the chat template applied to its problem, and its ids round-trip."""
+    import json
+
+    from conftest import torchrun
+    from pipelinerl_fsdp.configure import load_config
+    from pipelinerl_fsdp.tasks import make_task
+    from pipelinerl_fsdp.tokenizer import encode_prompt, load_tokenizer
+
+    args = [
+        "--config",
+        "word_problems_smollm2_cpu",
+        f"--model.path={smollm_folder}",
+        f"--job.output_dir={tmp_path}",
+        "--rl.max_steps=2",
+        "--rl.batch_size=4",  # one prompt's group per step: the path, not learning
+        "--inference.max_num_seqs=4",
+        "--task.max_new_tokens=32",
+        "--eval.at_start=false",
+        "--eval.every=0",
+        "--metrics.rollouts_every=1",
+    ]
+    r = torchrun(2, *args, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    recs = [json.loads(x) for x in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 2 and recs[0]["current_version_frac"] == 1.0
+    print(f"SMOLLM2_JOB mismatch_abs_log_ratio={recs[0]['mismatch_abs_log_ratio']:.3g}")
+    assert recs[0]["mismatch_abs_log_ratio"] < 1e-3 and recs[0]["mismatch_kl"] < 1e-5  # fp32 on both sides
+    cfg = load_config(args)
+    task, tok = make_task(cfg.task), load_tokenizer(smollm_folder)
+    dumped = [json.loads(x) for x in (tmp_path / "rl" / "rollouts" / "step-0000001.jsonl").read_text().splitlines()]
+    assert len(dumped) == 4
+    for d in dumped:
+        problem = task.train_problem(cfg.job.seed, d["group"])
+        ids = encode_prompt(tok, problem.prompt, cfg.tokenizer)
+        assert d["prompt"] == tok.decode(ids) and "<|im_start|>assistant\n" in d["prompt"]
+        assert tok(d["prompt"], add_special_tokens=False)["input_ids"] == ids
+        assert d["gold"] == problem.answer and d["reward"] == task.reward(d["completion"], problem.answer)

@@ -53,3 +53,13 @@ def test_micro_batches_respect_the_budget():
     samples = [sample(4, 10) for _ in range(10)]  # 14 tokens each
     mbs = rl_micro_batches(samples, budget=30, device=torch.device("cpu"))
     assert len(mbs) == 5 and all(mb["input_ids"].shape[1] + 2 <= 30 for mb in mbs)
+
+
+def test_micro_batches_mark_the_tokens_the_trained_version_sampled():
+    s1, s2 = sample(3, 2), sample(2, 3)
+    s1.versions[:] = [4, 5]
+    s2.versions[:] = [5, 5, 3]
+    (mb,) = rl_micro_batches([s1, s2], budget=64, device=torch.device("cpu"), version=5)
+    assert mb["current"][0].tolist() == [0, 0, 0, 1, 0, 1, 1, 0]
+    (mb,) = rl_micro_batches([s1, s2], budget=64, device=torch.device("cpu"))
+    assert "current" not in mb

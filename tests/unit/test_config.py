@@ -56,7 +56,7 @@ def test_int_accepted_for_float(tmp_path):
         ("[warmstart]\nsteps = 'many'\n", r"warmstart\.steps: expected int, got 'many' \(.*c\.toml\)"),
         (
             "[task]\nname = 'poetry'\n",
-            r"task\.name = 'poetry' is not one of 'addition', 'chain_sum', 'math' \(.*c\.toml\)",
+            r"task\.name = 'poetry' is not one of 'addition', 'chain_sum', 'math', 'word_problems' \(.*c\.toml\)",
         ),
         ("[trainer.optimizer]\nlr = -1.0\n", r"trainer\.optimizer\.lr = -1\.0 must be > 0 \(.*c\.toml\)"),
         (
@@ -107,7 +107,7 @@ def test_file_errors_name_the_key(tmp_path, text, pattern):
         (["--rl.mode=conventional", "--rl.filter_zero_advantage=true"], r"filter_zero_advantage = true would leave"),
         (["--trainer.optimizer.bogus=1"], r"unknown key trainer\.optimizer\.bogus in command line"),
         (["--task.name=chain_sum", "--task.max_terms=1"], r"task\.max_terms = 1 must be >= task\.min_terms = 2"),
-        (["--task.name=nope"], r"task\.name = 'nope' is not one of .*'math' \(command line\)"),
+        (["--task.name=nope"], r"task\.name = 'nope' is not one of .*'word_problems' \(command line\)"),
         (["--tokenizer.path=/nonexistent/tok"], r"tokenizer\.path = '/nonexistent/tok': no such folder"),
         (["--model.path=/nonexistent/model"], r"model\.path = '/nonexistent/model': no such folder"),
         (

@@ -144,3 +144,16 @@ def test_ess_of_raw_and_of_truncated_weights_part_ways_on_stale_data():
     _, s = policy_loss(mu, mu, ones, ones, 1, LossSettings(kind="reinforce", is_clip=5.0))
     assert ess_from_sums(s["sum_rho"], s["sum_rho2"], s["tokens"]) == pytest.approx(1.0)
     assert ess_from_sums(s["sum_w"], s["sum_w2"], s["tokens"]) == pytest.approx(1.0)
+
+
+def test_lag0_mismatch_sums_count_only_the_current_versions_tokens():
+    behaviour = torch.tensor([-1.0, -1.0, -1.0, -1.0])
+    logp = behaviour + torch.tensor([0.1, -0.2, 0.5, 0.3])  # log rho per token
+    mask, current = torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 1.0])
+    _, st = policy_loss(logp, behaviour, torch.ones(4), mask, 1.0, LossSettings(), current=current)
+    # tokens 0 and 1 only: token 2 is stale, token 3 is not a completion token
+    assert st["lag0_tokens"] == 2.0
+    k3 = (math.exp(0.1) - 1 - 0.1) + (math.exp(-0.2) - 1 + 0.2)
+    assert st["lag0_k3"] == pytest.approx(k3, rel=1e-5) and st["lag0_abs_log_ratio"] == pytest.approx(0.3, rel=1e-5)
+    _, none = policy_loss(logp, behaviour, torch.ones(4), mask, 1.0, LossSettings())
+    assert none["lag0_tokens"] == 0.0  # without versions nothing is taken for lag 0

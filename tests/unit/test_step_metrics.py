@@ -73,6 +73,7 @@ def test_rates_and_busy_fractions_come_from_the_deltas():
     before, now = EngineCounters(100, 5, 10), EngineCounters(400, 6.5, 12)
     m = step_metrics([s([0], 1.0)], 0, SUMS, now, before, StepTimes(start=10, data=10.5, end=12, previous_end=9))
     assert m["gen_tokens_per_s"] == pytest.approx(300 / 3)  # 300 tokens since the previous step's end
+    assert m["gen_tokens_per_busy_s"] == pytest.approx(300 / 1.5)  # ...of which the engines computed 1.5 s
     assert m["inference_busy_frac"] == pytest.approx(1.5 / 2)
     assert m["trainer_busy_frac"] == pytest.approx(1.5 / 2)  # waited 0.5 s of a 2 s step for data
     assert m["wait_for_data_s"] == pytest.approx(0.5) and m["train_step_s"] == pytest.approx(1.5)
@@ -132,3 +133,23 @@ def test_update_pauses_are_the_steps_mean_and_max_not_the_last():
     assert total == (160.0, 5.0)
     m, _ = update_pauses(now, total, {})  # nothing new this step
     assert m["update_pause_ms"] != m["update_pause_ms"] and m["update_pause_ms_max"] != m["update_pause_ms_max"]
+
+
+def test_mismatch_is_the_mean_over_lag0_tokens_and_nan_without_them():
+    times = StepTimes(0.0, 1.0, 2.0, 0.0)
+    sums = dict(SUMS, lag0_tokens=2.0, lag0_k3=0.01, lag0_abs_log_ratio=0.3)
+    m = step_metrics([s([1, 1], 1.0)], 1, sums, EngineCounters(), EngineCounters(), times)
+    assert m["mismatch_kl"] == pytest.approx(0.005) and m["mismatch_abs_log_ratio"] == pytest.approx(0.15)
+    m = step_metrics([s([0, 0], 1.0)], 1, dict(SUMS, lag0_tokens=0.0), EngineCounters(), EngineCounters(), times)
+    assert m["mismatch_kl"] != m["mismatch_kl"]  # NaN: no token of the trained version in this step
+
+
+def test_the_mismatch_check_fails_only_beyond_its_bound_and_names_the_numbers():
+    from pipelinerl_fsdp.rl.step_metrics import mismatch_error
+
+    agree = dict(SUMS, lag0_tokens=100.0, lag0_k3=1e-9, lag0_abs_log_ratio=1e-4)
+    assert mismatch_error(agree, 0.1) is None
+    off = dict(agree, lag0_k3=12.0, lag0_abs_log_ratio=50.0)
+    msg = mismatch_error(off, 0.1)
+    assert msg is not None and "100 tokens" in msg and "by 0.5 on average" in msg and "0.12" in msg
+    assert mismatch_error(dict(off, lag0_tokens=0.0), 0.1) is None  # nothing to compare yet: checked next step
