@@ -63,7 +63,7 @@ def main() -> None:
     torch.set_num_threads(1)
     kv = ve.kv_cache_gib_needed(ve.read_model_args(model), a.batch, max_len, 4)
     engine = ve.VLLMEngine(
-        model, a.batch, max_len, 1.0, 1.0, cfg.rl.seed, "float32", VLLMPlacement(str(a.core), None), kv,
+        model, a.batch, max_len, 1.0, 1.0, cfg.job.seed, "float32", VLLMPlacement(str(a.core), None), kv,
         stop_token_ids=stops,
     )  # fmt: skip
     try:
