@@ -42,9 +42,10 @@ from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
 from pipelinerl_fsdp.models.hf_io import load_hf_model, save_hf_folder
 from pipelinerl_fsdp.preflight import engine_max_len, sequence_limits, stop_token_ids
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
-from pipelinerl_fsdp.rl.advantages import group_advantages
+from pipelinerl_fsdp.rl.advantages import shaped_group_advantages
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
-from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics
+from pipelinerl_fsdp.rl.normalization import assign_loss_weights
+from pipelinerl_fsdp.rl.step_metrics import LOSS_MAXES, LOSS_SUMS, EngineCounters, StepTimes, step_metrics
 from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.tasks import ProblemStream, make_task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer
@@ -57,7 +58,7 @@ from pipelinerl_fsdp.training.parallelize import (
     resolve_param_dtype,
 )
 from pipelinerl_fsdp.training.policy import build_policy
-from pipelinerl_fsdp.training.train_step import forward_backward, loss_settings, rl_loss_fn
+from pipelinerl_fsdp.training.train_step import forward_backward, rl_loss_fn
 
 
 def free_port() -> int:
@@ -102,7 +103,6 @@ class Colocated:
             cfg.inference.top_p,
             cfg.job.seed,
         )
-        self.loss_settings = loss_settings(rl)
         self.version = 0
 
     def generate(self) -> list[Sample]:
@@ -131,7 +131,16 @@ class Colocated:
                 if len(scores) < len(reqs):
                     time.sleep(0.001)
             rewards = [scores[r.request_id][0] for r in reqs]
-            advs = group_advantages(rewards, rl.baseline, rl.std_normalize)
+            loss = self.cfg.loss
+            advs = shaped_group_advantages(
+                rewards,
+                [len(r.tokens) for r in reqs],
+                rl.baseline,
+                rl.std_normalize,
+                self.cfg.task.max_new_tokens,
+                loss.overlong_buffer,
+                loss.overlong_penalty,
+            )
             for r, reward, adv in zip(reqs, rewards, advs):
                 outcome = OUTCOME_CODE[scores[r.request_id][1]]
                 samples.append(Sample(gid, ids, r.tokens, r.logprobs, r.versions, reward, adv, r.finished, outcome))
@@ -140,8 +149,9 @@ class Colocated:
     def train(self, samples: list[Sample]) -> tuple[dict[str, float], float]:
         """The job's optimizer step on `samples`, then the new weights into the generator."""
         cfg = self.cfg
+        assign_loss_weights(samples, cfg.loss, cfg.rl.batch_size, cfg.rl.attempts, cfg.task.max_new_tokens)
         micro = rl_micro_batches(samples, cfg.trainer.micro_batch_tokens, self.device, self.version)
-        loss_fn = rl_loss_fn(cfg.rl.batch_size, self.loss_settings, 1)  # the job's step, on one rank
+        loss_fn = rl_loss_fn(cfg.loss, cfg.rl.kl_coef, 1)  # the job's step, on one rank
         stats = forward_backward(
             self.policy.model,
             micro,
@@ -158,7 +168,9 @@ class Colocated:
                 theirs[name].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
         self.version += 1
         self.engine.set_version(self.version)
-        return {k: stats.get(k, 0.0) for k in LOSS_SUMS}, grad_norm
+        return {k: stats.get(k, 0.0) for k in LOSS_SUMS} | {
+            k: stats.get(k, float("-inf")) for k in LOSS_MAXES
+        }, grad_norm
 
     def export(self, out: Path) -> None:
         """The policy as an HF folder, from the generator's copy where it holds the same fp32 weights (no gather)."""

@@ -72,6 +72,11 @@ def parse_args() -> argparse.Namespace:
         help="what the targets are of: held-out greedy accuracy of the policy exported every --eval-every steps "
         "(evaluated after each run, outside its time), or the sampled reward's moving average over --window steps",
     )
+    p.add_argument(
+        "--loss",
+        default=None,
+        help="loss.name of every run (rl/objectives/; default: the config's), e.g. --loss grpo; its keys: --extra",
+    )
     p.add_argument("--eval-size", type=int, default=None, help="held-out problems per evaluation (default: per task)")
     p.add_argument("--eval-every", type=int, default=None, help="optimizer steps between exports (default: per task)")
     p.add_argument("--target", type=float, default=None, help="main target of --metric (default: per task)")
@@ -496,6 +501,7 @@ def main() -> None:
         "--metrics.log_every=25",
         f"--inference.engine={a.engine or TASK_ENGINE[a.task]}",
         *ts.overrides,
+        *([f"--loss.name={a.loss}"] if a.loss else []),
         *(["--checkpoint.export_every=" + str(eval_every)] if a.metric == "accuracy" else []),
         *a.extra,
     ]
@@ -585,6 +591,7 @@ def main() -> None:
         "nproc": a.nproc,
         "inference_ranks": a.inference_ranks,
         "engine": a.engine or TASK_ENGINE[a.task],
+        "loss": a.loss,
         "extra": a.extra,
         "cpu_count": os.cpu_count(),
         "bound": bound,

@@ -43,7 +43,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from pipelinerl_fsdp.config import OptimizerConfig
 from pipelinerl_fsdp.models import build_model, flavour_args, read_model_args
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
-from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
+from pipelinerl_fsdp.rl.loss import policy_loss
+from pipelinerl_fsdp.rl.objectives.reinforce_tis import ReinforceTISConfig
 from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.training.optim import build_optimizer
 from pipelinerl_fsdp.training.parallelize import apply_fsdp
@@ -155,10 +156,13 @@ def main() -> None:
     our_opt, our_sched = build_optimizer(ours.parameters(), opt_cfg, a.steps + 2)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-6, weight_decay=0.0)
     sender = WeightSender(ours, None, 0, True, torch.float32, device)
-    settings = LossSettings(kind="reinforce", is_clip=IS_CLIP, ppo_eps=0.2, kl_coef=0.0)
+    settings = ReinforceTISConfig(is_clip=IS_CLIP)
 
     def loss_fn(logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor]):
-        return policy_loss(logp[0], mb["behaviour_logp"][0], mb["advantage"][0], mb["mask"][0], a.samples, settings)
+        mask = mb["mask"][0]
+        return policy_loss(
+            logp[0], mb["behaviour_logp"][0], mb["advantage"][0], mask, mask / a.samples, settings, mb["seq_index"][0]
+        )
 
     parts: dict[str, list[float]] = {k: [] for k in PARTS}
     for step in range(a.steps + 1):

@@ -92,6 +92,44 @@ class TaskConfig:
         return [(key, what) for key, ok, what in checks if not ok]
 
 
+# How the step's per-token losses are summed into one (rl/normalization.py): "sequences": / B, the step's sequences
+# (the PipelineRL paper); "tokens": / the step's completion tokens (DAPO's token mean); "sequence_mean": each
+# sequence's token mean, / B (GRPO); "group_mean": each group's token mean, / the step's groups; "constant":
+# / (B x task.max_new_tokens) (Dr. GRPO)
+Normalization = Literal["sequences", "tokens", "sequence_mean", "group_mean", "constant"]
+
+
+@dataclass
+class LossConfig:
+    """Keys every loss has (`[loss]`); a loss's `config_class` (pipelinerl_fsdp/rl/objectives/) extends it with its
+    own keys and its own defaults for these."""
+
+    name: str = "reinforce_tis"
+    normalize: Normalization = "sequences"
+    # engine/trainer mismatch masking (MIS, IcePop): "token": tokens whose ratio pi/mu lies outside
+    # [mask_low, mask_high] leave the loss; "sequence": whole sequences whose geometric-mean ratio does
+    mask: Literal["none", "token", "sequence"] = "none"
+    mask_low: float = 0.5
+    mask_high: float = 2.0
+    # truncated completions (cut at task.max_new_tokens) leave the loss; they still count in their group's baseline
+    overlong_filter: bool = False
+    # DAPO's soft overlong punishment: a completion longer than (1 - overlong_buffer) x task.max_new_tokens has its
+    # reward lowered by overlong_penalty x (length past that) / (overlong_buffer x task.max_new_tokens) for its
+    # advantage (the logged reward stays the task's); 0: off
+    overlong_buffer: float = 0.0
+    overlong_penalty: float = 1.0
+
+    def check(self) -> list[tuple[str, str]]:
+        """(key, what it must be) for every impossible value; empty when the values are fine."""
+        checks = [
+            ("mask_low", 0 < self.mask_low <= 1, "in (0, 1]"),
+            ("mask_high", self.mask_high >= 1, ">= 1"),
+            ("overlong_buffer", 0 <= self.overlong_buffer < 1, "in [0, 1) (a fraction of task.max_new_tokens)"),
+            ("overlong_penalty", self.overlong_penalty >= 0, ">= 0"),
+        ]
+        return [(key, what) for key, ok, what in checks if not ok]
+
+
 @dataclass
 class OptimizerConfig:
     """AdamW with linear warm-up, then cosine decay to min_lr_ratio x lr (or constant); global-norm clipping."""
@@ -212,10 +250,6 @@ class RLConfig:
     # sequences per optimizer step, all trainer ranks together
     batch_size: int = 64
     max_steps: int = 100
-    loss: str = "reinforce"  # a name in rl/objectives/ (one module each)
-    # c: truncation of the importance weights
-    is_clip: float = 5.0
-    ppo_eps: float = 0.2
     # KL penalty (k3 estimator) to the frozen initial policy; 0 disables it (the paper's setting)
     kl_coef: float = 0.0
     baseline: Literal["mean", "loo"] = "mean"
@@ -321,6 +355,8 @@ class Config:
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    # replaced by the selected loss's own config class (a LossConfig subclass) when the config is loaded
+    loss: LossConfig = field(default_factory=LossConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     world: WorldConfig = field(default_factory=WorldConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -361,8 +397,6 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("rl", "attempts"): (lambda v: v >= 1, ">= 1"),
     ("rl", "batch_size"): (lambda v: v >= 1, ">= 1"),
     ("rl", "max_steps"): (lambda v: v >= 1, ">= 1"),
-    ("rl", "is_clip"): (lambda v: v >= 1, ">= 1"),
-    ("rl", "ppo_eps"): (lambda v: 0 < v < 1, "in (0, 1)"),
     ("rl", "max_lag"): (lambda v: v >= 0, ">= 0"),
     ("rl", "kl_coef"): (lambda v: v >= 0, ">= 0"),
     ("rl", "sync_every"): (lambda v: v >= 1, ">= 1"),
@@ -439,12 +473,23 @@ def _is_table(tp: Any) -> bool:
     return dataclasses.is_dataclass(tp)
 
 
+# Keys that moved, with where to: an old config fails naming the new key instead of "unknown key".
+MOVED_KEYS = {
+    "rl.loss": "the loss is its own section now: loss.name (reinforce -> reinforce_tis, ppo, grpo, ...; "
+    "pipelinerl_fsdp/rl/objectives/)",
+    "rl.is_clip": "now loss.is_clip (with loss.name = 'reinforce_tis')",
+    "rl.ppo_eps": "now loss.eps_low and loss.eps_high (with loss.name = 'ppo', 'grpo', 'dr_grpo' or 'dapo')",
+}
+
+
 def _apply_table(obj: Any, values: Any, path: str, source: str) -> None:
     """Set the keys of `values` (a TOML table) on the dataclass `obj`; sub-dataclasses are nested tables."""
     if not isinstance(values, dict):
         raise ConfigError(f"[{path}] in {source} must be a table of keys, got {values!r}")
     hints = typing.get_type_hints(type(obj))
     for key, value in values.items():
+        if f"{path}.{key}" in MOVED_KEYS:
+            raise ConfigError(f"{path}.{key} in {source}: {MOVED_KEYS[f'{path}.{key}']}")
         if key not in hints:
             raise ConfigError(f"unknown key {path}.{key} in {source}; known keys of [{path}]: {', '.join(hints)}")
         if _is_table(hints[key]):
@@ -527,12 +572,13 @@ def check_choice(key: str, value: Any, choices: Iterable[str], source: str) -> N
         raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(repr, choices))} ({source})")
 
 
-def _select_task(cfg: Config, name: Any, source: str, task_configs: Mapping[str, type[TaskConfig]]) -> None:
-    """Replace cfg.task by the named task's own config class (its defaults); the values are applied after."""
+def _select_variant(cfg: Config, section: str, name: Any, source: str, classes: Mapping[str, type]) -> None:
+    """Replace cfg.<section> (task, loss) by the named entry's own config class (its defaults); the values are
+    applied after."""
     if not isinstance(name, str):
-        raise ConfigError(f"task.name: expected str, got {name!r} ({source})")
-    check_choice("task.name", name, task_configs, source)
-    cfg.task = task_configs[name]()
+        raise ConfigError(f"{section}.name: expected str, got {name!r} ({source})")
+    check_choice(f"{section}.name", name, classes, source)
+    setattr(cfg, section, classes[name]())
 
 
 def _sub_checks(obj: Any, path: str, source: str) -> None:
@@ -575,6 +621,11 @@ def validate(cfg: Config) -> None:
             f"rl.waves = {rl.waves} must divide the {rl.batch_size // rl.attempts} groups of a step "
             f"(rl.batch_size = {rl.batch_size} / rl.attempts = {rl.attempts}): each part is whole groups "
             f"({cfg.source})"
+        )
+    if cfg.loss.normalize == "tokens" and rl.waves > 1:
+        raise ConfigError(
+            f"loss.normalize = 'tokens' divides by the step's completion tokens, which are known only once the whole "
+            f"batch is in: it needs rl.waves = 1 (got {rl.waves}) ({cfg.source})"
         )
     if cfg.job.stage == "rl" and cfg.inference.top_p < 1:
         # Both samplers return log-probs of the renormalised nucleus, the trainer those of the full softmax: the
@@ -629,15 +680,20 @@ def _take_config_arg(argv: list[str]) -> str | None:
     return None
 
 
-def parse_config(argv: list[str], task_configs: Mapping[str, type[TaskConfig]]) -> Config:
-    """`[--config PATH_OR_NAME] [--section.key=value ...]` -> Config, with the checks that need no registry.
-    Overrides win over the file. `task_configs`: each registered task's config class (`task.name` selects one).
+def parse_config(
+    argv: list[str],
+    task_configs: Mapping[str, type[TaskConfig]],
+    loss_configs: Mapping[str, type[LossConfig]],
+) -> Config:
+    """`[--config PATH_OR_NAME ...] [--section.key=value ...]` -> Config, with the checks that need no registry.
+    Files are applied in the order given, overrides after them. `task_configs`, `loss_configs`: each registered
+    task's and loss's config class (`task.name`, `loss.name` select one).
     The job loads its configuration with `configure.load_config`, which also checks the registry-backed keys."""
     argv = list(argv)
     cfg = Config()
     layers: list[tuple[dict[str, Any], str]] = []  # (table, source), applied in order
-    name = _take_config_arg(argv)
-    if name is not None:
+    # several --config files are layered in order (a later one wins): e.g. a job, then a loss preset over it
+    while (name := _take_config_arg(argv)) is not None:
         path = resolve_config_path(name)
         try:
             with open(path, "rb") as f:
@@ -645,15 +701,17 @@ def parse_config(argv: list[str], task_configs: Mapping[str, type[TaskConfig]]) 
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
     overrides = parse_overrides(argv)
-    # The task's keys depend on the task: select it (the last task.name given wins) before applying any key.
-    task_name, task_source = cfg.task.name, "defaults"
-    for data, source in layers:
-        if isinstance(data.get("task"), dict) and "name" in data["task"]:
-            task_name, task_source = data["task"]["name"], source
-    for parts, raw in overrides:
-        if parts == ["task", "name"]:
-            task_name, task_source = raw, "command line"
-    _select_task(cfg, task_name, task_source, task_configs)
+    # A task's and a loss's keys depend on which: select each (the last name given wins) before applying any key.
+    variants = {"task": task_configs, "loss": loss_configs}
+    for section, classes in variants.items():
+        name, name_source = getattr(cfg, section).name, "defaults"
+        for data, source in layers:
+            if isinstance(data.get(section), dict) and "name" in data[section]:
+                name, name_source = data[section]["name"], source
+        for parts, raw in overrides:
+            if parts == [section, "name"]:
+                name, name_source = raw, "command line"
+        _select_variant(cfg, section, name, name_source, classes)
     for data, source in layers:
         _apply(cfg, data, source)
     for parts, raw in overrides:

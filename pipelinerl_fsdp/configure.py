@@ -11,13 +11,14 @@ from pipelinerl_fsdp.config import Config, ConfigError, check_choice, parse_conf
 from pipelinerl_fsdp.inference.kinds import ENGINE_KINDS, engine_kind
 from pipelinerl_fsdp.inference.vllm_load import LOADS
 from pipelinerl_fsdp.models.args import FLAVOURS
-from pipelinerl_fsdp.rl.objectives import OBJECTIVES
+from pipelinerl_fsdp.rl.objectives import CONFIGS as LOSS_CONFIGS
 from pipelinerl_fsdp.tasks import TASKS
 
 
 def load_config(argv: list[str] | None = None) -> Config:
     """`[--config PATH_OR_NAME] [--section.key=value ...]` -> validated Config. Overrides win over the file."""
-    cfg = parse_config(list(sys.argv[1:] if argv is None else argv), {n: t.config_class for n, t in TASKS.items()})
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = parse_config(argv, {n: t.config_class for n, t in TASKS.items()}, LOSS_CONFIGS)
     check_registered(cfg)
     return cfg
 
@@ -27,7 +28,6 @@ def check_registered(cfg: Config) -> None:
     src = cfg.source
     check_choice("inference.engine", cfg.inference.engine, ENGINE_KINDS, src)
     check_choice("inference.vllm_weight_load", cfg.inference.vllm_weight_load, ("auto", *LOADS), src)
-    check_choice("rl.loss", cfg.rl.loss, OBJECTIVES, src)
     if not cfg.model.path:
         check_choice("model.flavour", cfg.model.flavour, FLAVOURS, src)
 

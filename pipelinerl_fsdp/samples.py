@@ -20,6 +20,8 @@ class Sample:
     advantage: float = 0.0
     finished: bool = True  # ended on a stop token (False: cut at max_tokens)
     outcome: int = 0  # rewards.outcomes.OUTCOMES index: what the reward function concluded
+    # weight of each of its tokens in the step's loss (rl/normalization.py), set by the first trainer rank
+    loss_weight: float = 0.0
 
 
 @dataclass

@@ -31,7 +31,7 @@ from pipelinerl_fsdp.job.faults import logprob_shift, maybe_fail
 from pipelinerl_fsdp.job.world import World, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
-from pipelinerl_fsdp.rl.advantages import group_advantages
+from pipelinerl_fsdp.rl.advantages import shaped_group_advantages
 from pipelinerl_fsdp.samples import EvalReport, Sample
 from pipelinerl_fsdp.tasks import Problem, ProblemStream
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt
@@ -229,7 +229,16 @@ class InferenceWorker:
         rl = self.cfg.rl
         rids = sorted(g.done)
         rewards = [g.scores[r][0] for r in rids]
-        advs = group_advantages(rewards, rl.baseline, rl.std_normalize)
+        loss, lengths = self.cfg.loss, [len(g.done[r].tokens) for r in rids]
+        advs = shaped_group_advantages(
+            rewards,
+            lengths,
+            rl.baseline,
+            rl.std_normalize,
+            self.cfg.task.max_new_tokens,
+            loss.overlong_buffer,
+            loss.overlong_penalty,
+        )
         shift = logprob_shift()  # a test's fault: 0.0
         samples = []
         for rid, reward, adv in zip(rids, rewards, advs):

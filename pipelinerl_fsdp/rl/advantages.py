@@ -31,6 +31,35 @@ def group_advantages(
     return adv
 
 
-def is_zero_advantage_group(rewards: Sequence[float]) -> bool:
-    """All attempts scored the same: the group carries no learning signal (optionally filtered out)."""
-    return max(rewards) == min(rewards)
+def is_zero_advantage_group(advantages: Sequence[float], tol: float = 1e-6) -> bool:
+    """Every attempt's advantage is 0 (up to float rounding of the baseline): the group carries no learning signal
+    (optionally filtered out). Attempts that all scored the same have this, unless something else (a loss's
+    overlong punishment) told them apart."""
+    return all(abs(a) <= tol for a in advantages)
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: float, penalty: float) -> float:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13): 0 up to (1 - buffer) x max_new_tokens, then
+    falling linearly to -penalty at max_new_tokens; 0 when `buffer` is 0 (off)."""
+    span = buffer * max_new_tokens
+    if span <= 0:
+        return 0.0
+    return min(-(length - (max_new_tokens - span)) / span * penalty, 0.0)
+
+
+def shaped_group_advantages(
+    rewards: Sequence[float],
+    lengths: Sequence[int],
+    baseline: str,
+    std_normalize: bool,
+    max_new_tokens: int,
+    overlong_buffer: float,
+    overlong_penalty_at_max: float,
+) -> list[float]:
+    """`group_advantages` of the rewards with the loss's overlong punishment added (`overlong_penalty` of each
+    completion's length; nothing when `overlong_buffer` is 0). The logged reward stays the task's."""
+    shaped = [
+        r + overlong_penalty(n, max_new_tokens, overlong_buffer, overlong_penalty_at_max)
+        for r, n in zip(rewards, lengths, strict=True)
+    ]
+    return group_advantages(shaped, baseline, std_normalize)

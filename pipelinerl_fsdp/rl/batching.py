@@ -31,9 +31,10 @@ def rl_micro_batches(
 ) -> list[dict[str, torch.Tensor]]:
     """Pack samples (prompt + completion) into micro-batches; per-token fields aligned with the targets. With the
     trained `version`, field `current` marks the completion tokens that version sampled (lag 0: where engine and
-    trainer log-probs should agree, see `rl.loss.policy_loss`)."""
+    trainer log-probs should agree, see `rl.loss.policy_loss`). Field `weight` is each token's sample's loss weight
+    (`Sample.loss_weight`, rl/normalization.py)."""
     seqs: list[list[int]] = []
-    fields: dict[str, list[list[float]]] = {"mask": [], "behaviour_logp": [], "advantage": []}
+    fields: dict[str, list[list[float]]] = {"mask": [], "behaviour_logp": [], "advantage": [], "weight": []}
     if version is not None:
         fields["current"] = []
     for s in samples:
@@ -43,6 +44,7 @@ def rl_micro_batches(
         fields["mask"].append([0.0] * n_prompt_targets + [1.0] * n)
         fields["behaviour_logp"].append([0.0] * n_prompt_targets + list(s.logprobs))
         fields["advantage"].append([0.0] * n_prompt_targets + [s.advantage] * n)
+        fields["weight"].append([0.0] * n_prompt_targets + [s.loss_weight] * n)
         if version is not None:
             fields["current"].append([0.0] * n_prompt_targets + [float(v == version) for v in s.versions])
     bins = pack_into_bins([len(s) for s in seqs], budget)

@@ -1,18 +1,32 @@
-"""The policy-gradient objective (docs/objective.md): truncated importance-weighted REINFORCE, PPO-clip as an
-option, and an optional KL penalty to a frozen reference (k3 estimator).
+"""The RL step's loss around the chosen objective (`loss.name`, rl/objectives/): the engine/trainer mismatch mask,
+the per-sample normalisation weights (rl/normalization.py), an optional KL penalty to a frozen reference (k3
+estimator), and the sums behind the step's ESS, clipping and mismatch metrics (docs/objective.md).
 
-All inputs are per output token, flattened; `mask` is 1 on tokens that count (generated tokens), 0 elsewhere.
+All inputs are per output token of one packed micro-batch, flattened; `mask` is 1 on the tokens that count
+(generated tokens), 0 elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pipelinerl_fsdp.rl.objectives import OBJECTIVES, LossSettings
+from pipelinerl_fsdp.config import LossConfig
+from pipelinerl_fsdp.rl.objectives import OBJECTIVES, Tokens
 
 # |log pi_ref - log pi| is clamped here before exp() in the k3 estimator: one token the policy has moved far from
 # the reference would otherwise give an unbounded penalty and gradient (PipelineRL clamps it the same way).
 KL_LOG_RATIO_CLAMP = 10.0
+
+
+def mismatch_masks(t: Tokens, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens a masking rule (MIS / IcePop) would keep, per token: (token rule: rho_t within [low, high];
+    sequence rule: the geometric mean of the sequence's rho within [low, high], at each of its tokens)."""
+    lr = t.log_ratio.detach()
+    lo, hi = torch.log(torch.tensor(low, dtype=lr.dtype)), torch.log(torch.tensor(high, dtype=lr.dtype))
+    token = ((lr >= lo) & (lr <= hi)).to(lr.dtype)
+    geo = t.seq_mean(lr)
+    sequence = t.per_token(((geo >= lo) & (geo <= hi)).to(lr.dtype))
+    return token, sequence
 
 
 def policy_loss(
@@ -20,49 +34,68 @@ def policy_loss(
     behaviour_logp: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    num_sequences: float,
-    settings: LossSettings,
+    weight: torch.Tensor,
+    cfg: LossConfig,
+    seq: torch.Tensor | None = None,
     ref_logp: torch.Tensor | None = None,
     current: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss of one micro-batch, normalised by `num_sequences` (B: sequences in the whole optimizer step).
+    """Loss of one micro-batch: sum_t weight_t * keep_t * L_t (+ kl_coef * sum_t weight_t * k3_t), L_t the
+    objective's per-token loss (`cfg.name`), weight_t its sample's normalisation weight (`loss.normalize`), keep_t
+    the mismatch mask (`loss.mask`: 1 everywhere with "none"). `seq`: the sequence index of each position (one
+    sequence when None).
 
-    reinforce: L = -(1/B) sum_t sg(min(rho_t, c)) * A * log pi(a_t), rho_t = pi(a_t) / mu(a_t).
-    ppo:       L = -(1/B) sum_t min(rho_t A, clip(rho_t, 1-eps, 1+eps) A)  (mu as the old policy).
-    kl:        + kl_coef * (1/B) sum_t [exp(r - l) - (r - l) - 1], l = log pi, r = log pi_ref.
-    Returns the loss and summed statistics for ESS and logging: sum_rho, sum_rho2 of the raw importance weights
-    rho (the paper's ESS); sum_w, sum_w2 of the weights the update applies (the truncated rho_bar for REINFORCE,
-    the unclipped rho for PPO, whose clipping acts on the objective, not on the weights); tokens, kl, clipped.
-    `current` (1 on tokens sampled by the weights being trained, lag 0): there rho differs from 1 only by the
-    engine/trainer mismatch (kernels, dtype, a wrong tokenizer or template); summed as lag0_tokens, lag0_k3
-    (k3 estimate of KL(engine || trainer): rho - 1 - log rho, on the engine's samples) and lag0_abs_log_ratio.
+    Returns the loss and summed statistics: sum_rho, sum_rho2 of the raw importance weights rho = pi / mu (the
+    paper's ESS); sum_w, sum_w2 of the weights the update applies (the truncated ones for REINFORCE-type
+    objectives, the unclipped ratio for PPO-type ones, whose clipping acts on the objective); tokens, kl,
+    clipped; masked (tokens the mask left out); mis_tokens / mis_seqs and sequences: tokens and sequences that the
+    token and the sequence masking rule would leave out with [mask_low, mask_high], whichever rule is on;
+    max_log_ratio (a max, not a sum). `current` (1 on tokens sampled by the weights being trained, lag 0): there
+    rho differs from 1 only by the engine/trainer mismatch (kernels, dtype, a wrong tokenizer or template); summed
+    as lag0_tokens, lag0_k3 (k3 estimate of KL(engine || trainer): rho - 1 - log rho, on the engine's samples)
+    and lag0_abs_log_ratio.
     """
-    log_ratio = (logp - behaviour_logp).clamp(max=30.0)  # exp() stays finite for wildly stale tokens
-    rho = torch.exp(log_ratio)
-    objective = OBJECTIVES.get(settings.kind)
+    objective = OBJECTIVES.get(cfg.name)
     if objective is None:
-        raise ValueError(f"unknown loss kind {settings.kind!r}; registered: {sorted(OBJECTIVES)}")
-    out = objective(rho, advantages, logp, settings)
-    per_token, clipped, weights = out.loss, out.clipped, out.weights
-    loss = (per_token * mask).sum()
+        raise ValueError(f"unknown loss {cfg.name!r}; registered: {sorted(OBJECTIVES)}")
+    log_ratio = (logp - behaviour_logp).clamp(max=30.0)  # exp() stays finite for wildly stale tokens
+    if seq is None:
+        seq = torch.zeros_like(mask, dtype=torch.long)
+    n_seq = int(seq.max()) + 1 if seq.numel() else 0
+    t = Tokens(logp, log_ratio, advantages, mask, seq, n_seq)
+    token_keep, seq_keep = mismatch_masks(t, cfg.mask_low, cfg.mask_high)
+    keep = {"none": torch.ones_like(mask), "token": token_keep, "sequence": seq_keep}[cfg.mask]
+    out = objective(t, cfg)
+    counted = mask * keep
+    loss = (out.loss * counted * weight).sum()
     kl_sum = 0.0
-    if ref_logp is not None and settings.kl_coef > 0:
+    if ref_logp is not None and kl_coef > 0:
         d = (ref_logp - logp).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
         kl = torch.exp(d) - d - 1
-        loss = loss + settings.kl_coef * (kl * mask).sum()
+        loss = loss + kl_coef * (kl * mask * weight).sum()
         kl_sum = float((kl.detach() * mask).sum())
-    w, raw = weights * mask, rho.detach() * mask
+    rho = torch.exp(log_ratio.detach())
+    w, raw = out.weights * counted, rho * mask
+    has_tokens = t.seq_sum(torch.ones_like(mask)) > 0
     stats = {
         "sum_rho": float(raw.sum()),
-        "sum_rho2": float((raw * rho.detach()).sum()),
+        "sum_rho2": float((raw * rho).sum()),
         "sum_w": float(w.sum()),
-        "sum_w2": float((w * weights).sum()),
+        "sum_w2": float((w * out.weights).sum()),
         "tokens": float(mask.sum()),
         "kl": kl_sum,
-        "clipped": float((clipped * mask).sum()),
+        "clipped": float((out.clipped * mask).sum()),
+        "masked": float((mask * (1 - keep)).sum()),
+        "mis_tokens": float((mask * (1 - token_keep)).sum()),
+        "mis_seqs": float(((t.seq_sum(1 - seq_keep) > 0) & has_tokens).sum()),
+        "sequences": float(has_tokens.sum()),
+        "max_log_ratio": float(log_ratio.detach().masked_fill(mask == 0, float("-inf")).max())
+        if mask.any()
+        else float("-inf"),
         **lag0_mismatch_sums(log_ratio.detach(), mask * current if current is not None else torch.zeros_like(mask)),
     }
-    return loss / num_sequences, stats
+    return loss, stats
 
 
 def lag0_mismatch_sums(log_ratio: torch.Tensor, lag0: torch.Tensor) -> dict[str, float]:
@@ -77,11 +110,7 @@ def lag0_mismatch_sums(log_ratio: torch.Tensor, lag0: torch.Tensor) -> dict[str,
 
 
 def micro_batch_loss(
-    logp: torch.Tensor,
-    entropy: torch.Tensor,
-    micro_batch: dict[str, torch.Tensor],
-    num_sequences: float,
-    settings: LossSettings,
+    logp: torch.Tensor, entropy: torch.Tensor, micro_batch: dict[str, torch.Tensor], cfg: LossConfig, kl_coef: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`policy_loss` on one packed micro-batch (`rl.batching.rl_micro_batches`'s fields; `ref_logp` when a
     reference model scored it), with the summed entropy of its counted tokens added to the statistics."""
@@ -89,7 +118,16 @@ def micro_batch_loss(
     ref = mb["ref_logp"][0] if "ref_logp" in mb else None
     current = mb["current"][0] if "current" in mb else None
     loss, stats = policy_loss(
-        logp[0], mb["behaviour_logp"][0], mb["advantage"][0], mask, num_sequences, settings, ref, current
+        logp[0],
+        mb["behaviour_logp"][0],
+        mb["advantage"][0],
+        mask,
+        mb["weight"][0],
+        cfg,
+        mb["seq_index"][0],
+        ref,
+        current,
+        kl_coef,
     )
     stats["entropy"] = float((entropy[0] * mask).sum())
     return loss, stats

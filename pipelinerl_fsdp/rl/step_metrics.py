@@ -3,6 +3,7 @@ engines' cumulative counters and the step's timings (pure: every number comes fr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pipelinerl_fsdp.rewards.outcomes import OUTCOMES
@@ -22,7 +23,13 @@ LOSS_SUMS = (
     "lag0_tokens",
     "lag0_k3",
     "lag0_abs_log_ratio",
+    "masked",
+    "mis_tokens",
+    "mis_seqs",
+    "sequences",
 )
+# ...and maxima, reduced with max
+LOSS_MAXES = ("max_log_ratio",)
 
 
 @dataclass
@@ -138,6 +145,13 @@ def step_metrics(
         "mixed_version_frac": sum(1 for s in samples if len(set(s.versions)) > 1) / len(samples),
         "entropy": sums["entropy"] / tokens,
         "is_clipped_frac": sums["clipped"] / tokens,
+        # engine/trainer mismatch masking (loss.mask): tokens it left out of the loss, and the tokens / sequences
+        # the token / sequence rule would leave out with [loss.mask_low, loss.mask_high] whichever rule is on;
+        # the largest raw ratio pi / mu of the step
+        "masked_frac": sums["masked"] / tokens,
+        "mis_token_frac": sums["mis_tokens"] / tokens,
+        "mis_seq_frac": sums["mis_seqs"] / max(sums["sequences"], 1.0),
+        "is_ratio_max": math.exp(sums["max_log_ratio"]) if sums["tokens"] > 0 else float("nan"),
         "kl": sums["kl"] / tokens,
         # engine vs trainer on the tokens the trained weights sampled themselves (lag 0): KL(engine || trainer)
         # (k3) and the mean |log ratio|; NaN in a step with no such token

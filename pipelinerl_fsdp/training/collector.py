@@ -129,7 +129,8 @@ class Collector:
         if not all(math.isfinite(lp) for s in group for lp in s.logprobs):
             self.counts.nonfinite_samples += len(group)
             return
-        if self.rl.filter_zero_advantage and is_zero_advantage_group([s.reward for s in group]):
+        # on the advantages (a loss's overlong punishment can tell apart attempts that scored the same)
+        if self.rl.filter_zero_advantage and is_zero_advantage_group([s.advantage for s in group]):
             self.counts.filtered_groups += 1
             self.counts.filtered_samples += len(group)
             return

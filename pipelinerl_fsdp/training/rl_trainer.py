@@ -28,7 +28,9 @@ from pipelinerl_fsdp.job.world import World, uses_cuda, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.models import save_hf_folder
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
+from pipelinerl_fsdp.rl.normalization import assign_loss_weights
 from pipelinerl_fsdp.rl.step_metrics import (
+    LOSS_MAXES,
     LOSS_SUMS,
     EngineCounters,
     StepTimes,
@@ -47,7 +49,8 @@ from pipelinerl_fsdp.training.rollout_log import RolloutLog, as_text
 from pipelinerl_fsdp.training.train_step import (
     add_reference_logprobs,
     forward_backward,
-    loss_settings,
+    max_over_ranks,
+    merge_stats,
     rl_loss_fn,
     sum_over_ranks,
 )
@@ -107,7 +110,6 @@ class RLTrainer:
             # training (and so the lag).
             self.receiver = RolloutReceiver(world.rollout_group, len(world.inference_ranks), self._wave_groups())
             self.collector = Collector(self.receiver, rl, len(world.inference_ranks))
-        self.loss_settings = loss_settings(rl)
         self.tokenizer, self.task = inputs.tokenizer, inputs.task
         # held-out evaluation runs on the engines; their reports are joined here
         self.eval_sets = list(self.task.eval_sets())
@@ -166,6 +168,8 @@ class RLTrainer:
         if self.collector is not None:
             try:
                 batch = self.collector.next_batch(self.version, self.cfg.world.timeout_s, self._wave_groups())
+                rl, budget = self.cfg.rl, self.cfg.task.max_new_tokens
+                assign_loss_weights(batch, self.cfg.loss, rl.batch_size, rl.attempts, budget)
                 parts = split_balanced(batch, len(self.world.trainer_ranks))
                 self._batch += [s for part in parts for s in part]  # for the metrics and rollout logs (this rank)
             except StopRequested as e:  # the other trainer ranks stop here too, at the same step
@@ -196,7 +200,7 @@ class RLTrainer:
             wave_stats = forward_backward(
                 self.policy.model,
                 micro,
-                rl_loss_fn(cfg.rl.batch_size, self.loss_settings, len(world.trainer_ranks)),
+                rl_loss_fn(cfg.loss, cfg.rl.kl_coef, len(world.trainer_ranks)),
                 cfg.inference.temperature,
                 world.trainer_group,
                 device,
@@ -204,8 +208,7 @@ class RLTrainer:
                 cfg.trainer.defer_grad_sync,
                 final=wave == cfg.rl.waves - 1,
             )
-            for k, v in wave_stats.items():
-                stats[k] = stats.get(k, 0.0) + v
+            merge_stats(stats, wave_stats)
         # the step's time waiting for data, as if it had come first (busy time = the rest)
         t_data = t_start + waited
         if nan_loss_at(step):
@@ -244,6 +247,8 @@ class RLTrainer:
         # the trainer's time blocked on pushes this step: this one, and the wait for the previous one above
         self._push_s = time.perf_counter() - t_push + finish_s
         sums = dict(zip(LOSS_SUMS, sum_over_ranks([stats.get(k, 0.0) for k in LOSS_SUMS], world.trainer_group, device)))
+        maxima = [stats.get(k, float("-inf")) for k in LOSS_MAXES]
+        sums.update(zip(LOSS_MAXES, max_over_ranks(maxima, world.trainer_group, device)))
         t_end = time.perf_counter()
         if self.collector is not None:
             if last and cfg.eval.every and self.eval_sets:  # the final policy's evaluation belongs to the last step

@@ -12,31 +12,33 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from pipelinerl_fsdp.config import RLConfig
+from pipelinerl_fsdp.config import LossConfig
 from pipelinerl_fsdp.models.decoder import Transformer
-from pipelinerl_fsdp.rl.loss import LossSettings, micro_batch_loss
+from pipelinerl_fsdp.rl.loss import micro_batch_loss
 
 # (logp [1, T], entropy [1, T], micro-batch) -> (loss to backpropagate, summed statistics for logging)
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
 
 
-def loss_settings(rl: RLConfig) -> LossSettings:
-    """The loss of the RL step from the `[rl]` section (`rl.loss` names its objective)."""
-    return LossSettings(kind=rl.loss, is_clip=rl.is_clip, ppo_eps=rl.ppo_eps, kl_coef=rl.kl_coef)
-
-
-def rl_loss_fn(batch_size: int, settings: LossSettings, n_ranks: int) -> LossFn:
-    """The RL step's loss per micro-batch: the policy loss normalised by the step's `batch_size` sequences over all
-    ranks, times `n_ranks`, because FSDP averages the gradients over the ranks while each rank's loss is already
-    a share of the global sum (`tests/dist/dp_equivalence.py`: 1 and 2 ranks get the same gradients)."""
+def rl_loss_fn(cfg: LossConfig, kl_coef: float, n_ranks: int) -> LossFn:
+    """The RL step's loss per micro-batch: the policy loss, whose per-sample weights already normalise it over the
+    whole step (rl/normalization.py), times `n_ranks`, because FSDP averages the gradients over the ranks while
+    each rank's loss is already a share of the global sum (`tests/dist/dp_equivalence.py`: 1 and 2 ranks get the
+    same gradients)."""
 
     def loss_fn(
         logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        loss, stats = micro_batch_loss(logp, ent, mb, batch_size, settings)
+        loss, stats = micro_batch_loss(logp, ent, mb, cfg, kl_coef)
         return loss * n_ranks, stats
 
     return loss_fn
+
+
+def merge_stats(into: dict[str, float], new: dict[str, float]) -> None:
+    """Add a micro-batch's (or a wave's) statistics to the step's: sums, except `max_*` keys (maxima)."""
+    for k, v in new.items():
+        into[k] = max(into.get(k, v), v) if k.startswith("max_") else into.get(k, 0.0) + v
 
 
 def _dummy_micro_batch(device: torch.device) -> dict[str, torch.Tensor]:
@@ -54,6 +56,12 @@ def agree_max(value: int, group: dist.ProcessGroup | None, device: torch.device)
 def sum_over_ranks(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, group=group)
+    return t.tolist()
+
+
+def max_over_ranks(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
 
@@ -91,8 +99,7 @@ def forward_backward(
         )
         if real:
             loss, s = loss_fn(logp, ent, mb)
-            for k, v in s.items():
-                stats[k] = stats.get(k, 0.0) + v
+            merge_stats(stats, s)
         else:
             loss = logp.sum() * 0.0
         loss.backward()

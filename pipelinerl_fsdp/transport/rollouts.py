@@ -46,7 +46,7 @@ def encode_samples(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tenso
             raise ValueError(f"sample of group {s.group_id}: completion, logprobs and versions differ in length")
         ints += [s.group_id, len(s.prompt_ids), len(s.completion_ids), int(s.finished), s.outcome]
         ints += s.prompt_ids + s.completion_ids + s.versions
-        floats += [s.reward, s.advantage] + s.logprobs
+        floats += [s.reward, s.advantage, s.loss_weight] + s.logprobs
     return torch.tensor(ints, dtype=torch.long), torch.tensor(floats, dtype=torch.float32)
 
 
@@ -59,10 +59,10 @@ def decode_samples(n: int, ints: torch.Tensor, floats: torch.Tensor) -> list[Sam
         i += 5
         prompt, comp, vers = iv[i : i + lp], iv[i + lp : i + lp + lc], iv[i + lp + lc : i + lp + 2 * lc]
         i += lp + 2 * lc
-        reward, adv = fv[f : f + 2]
-        logprobs = fv[f + 2 : f + 2 + lc]
-        f += 2 + lc
-        out.append(Sample(gid, prompt, comp, logprobs, vers, reward, adv, bool(fin), outcome))
+        reward, adv, weight = fv[f : f + 3]
+        logprobs = fv[f + 3 : f + 3 + lc]
+        f += 3 + lc
+        out.append(Sample(gid, prompt, comp, logprobs, vers, reward, adv, bool(fin), outcome, weight))
     if i != len(iv) or f != len(fv):
         raise RuntimeError("rollout message: payload longer than its samples (corrupt or mismatched message)")
     return out

@@ -14,7 +14,8 @@ from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.training.parallelize import apply_fsdp
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
-from pipelinerl_fsdp.rl.loss import LossSettings
+from pipelinerl_fsdp.rl.normalization import assign_loss_weights
+from pipelinerl_fsdp.rl.objectives.reinforce_tis import ReinforceTISConfig
 from pipelinerl_fsdp.training.train_step import forward_backward, rl_loss_fn
 from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.job.world import init_world
@@ -22,6 +23,9 @@ from pipelinerl_fsdp.job.world import init_world
 ARGS = flavour_args("debug", vocab_size=30)
 BATCH = 8
 CPU = torch.device("cpu")
+
+
+LOSS = ReinforceTISConfig(is_clip=2.0, normalize="tokens")
 
 
 def batch() -> list[Sample]:
@@ -40,15 +44,17 @@ def gradients(mesh: DeviceMesh, samples: list[Sample], n_ranks: int) -> dict[str
     """Full gradients after the RL step's forward/backward of `samples` on this rank (its share of the batch)."""
     model = build_model(ARGS, seed=0)
     apply_fsdp(model, mesh, torch.float32, torch.float32)
-    settings = LossSettings(kind="reinforce", is_clip=2.0)
     micro = rl_micro_batches(samples, 32, CPU)  # several micro-batches per rank
-    forward_backward(model, micro, rl_loss_fn(BATCH, settings, n_ranks), 1.0, mesh.get_group(), CPU)
+    forward_backward(model, micro, rl_loss_fn(LOSS, 0.0, n_ranks), 1.0, mesh.get_group(), CPU)
     return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
 
 
 def main() -> None:
     world = init_world(load_config(["--job.stage=warmstart", "--job.threads_per_rank=1"]))
     samples = batch()
+    # weights over the whole batch, before it is split (as the first trainer rank sets them): a mean over the step's
+    # tokens, the normalisation a per-rank count would get wrong
+    assign_loss_weights(samples, LOSS, BATCH, 4, 12)
     one = dist.new_group([0])  # every rank creates it; rank 0 trains the whole batch alone on it
     two = gradients(world.trainer_mesh, split_balanced(samples, 2)[world.trainer_rank], 2)
     if world.rank == 0:

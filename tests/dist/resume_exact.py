@@ -17,7 +17,8 @@ from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.training.optim import build_optimizer
 from pipelinerl_fsdp.training.parallelize import apply_fsdp, full_state_dict
-from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
+from pipelinerl_fsdp.rl.loss import policy_loss
+from pipelinerl_fsdp.rl.objectives.reinforce_tis import ReinforceTISConfig
 from pipelinerl_fsdp.training.train_step import clip_and_step, forward_backward
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
 from pipelinerl_fsdp.samples import Sample
@@ -49,8 +50,8 @@ def step(model, opt, sched, world, k: int) -> float:
     losses = []
 
     def loss_fn(logp, ent, mb):
-        loss, _ = policy_loss(logp[0], mb["behaviour_logp"][0], mb["advantage"][0], mb["mask"][0], 8,
-                              LossSettings())
+        loss, _ = policy_loss(logp[0], mb["behaviour_logp"][0], mb["advantage"][0], mb["mask"][0],
+                              mb["mask"][0] / 8, ReinforceTISConfig(), mb["seq_index"][0])
         losses.append(float(loss))
         return loss * 2, {}
 

@@ -78,6 +78,13 @@ def rank_of(pid: int) -> str | None:
     return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), None)
 
 
+# The reference engine where the engine is not what a test is about (the trainer's checkpoints, a trainer's
+# failure, the rendezvous, a loss): it starts in a second, vLLM's three processes in ~30 s on this machine. vLLM
+# keeps every test of what it does in the job (metrics, lag, restarts and signals with its processes, a killed
+# engine core, the modes, learning).
+REF = "--inference.engine=reference"
+
+
 def short_run_args(n_inf: int, warm: Path, out: Path, *extra: str) -> list[str]:
     return [
         "--config",
@@ -144,11 +151,16 @@ def test_default_pipeline_learns(default_warmstart, tmp_path, engine):
 @pytest.mark.parametrize(
     "nproc, n_inf, extra",
     [
-        (2, 1, ("--inference.engine=reference",)),
+        (2, 1, (REF,)),
         # two trainer ranks taking each batch in 4 parts (rl.waves): every part's samples trained, logged, dumped
-        (3, 1, ("--inference.engine=reference", "--inference.recompute_kv_on_update=true", "--rl.waves=4")),
-        pytest.param(3, 1, ("--inference.engine=vllm", "--inference.recompute_kv_on_update=true"), marks=VLLM.marks),
-        pytest.param(4, 2, ("--inference.engine=vllm", "--rl.filter_zero_advantage=true"), marks=VLLM.marks),
+        (3, 1, (REF, "--inference.recompute_kv_on_update=true", "--rl.waves=4")),
+        # two trainers, two vLLM engines that recompute their KV cache on every update, zero-advantage groups dropped
+        pytest.param(
+            4,
+            2,
+            ("--inference.engine=vllm", "--inference.recompute_kv_on_update=true", "--rl.filter_zero_advantage=true"),
+            marks=VLLM.marks,
+        ),
     ],
 )
 def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc, n_inf, extra):
@@ -206,15 +218,13 @@ def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc,
 
 
 def test_without_the_filter_zero_advantage_groups_are_trained(warm_folder, tmp_path):
-    r = short_run(2, 1, warm_folder, tmp_path, "--inference.engine=reference", "--rl.max_steps=6")
+    r = short_run(2, 1, warm_folder, tmp_path, REF, "--rl.max_steps=6")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert any(x["zero_adv_group_frac"] > 0 for x in records(tmp_path))
 
 
 def test_a_tight_max_lag_drops_whole_stale_groups(warm_folder, tmp_path):
-    r = short_run(
-        2, 1, warm_folder, tmp_path, "--inference.engine=reference", "--rl.max_lag=0", "--metrics.rollouts_every=1"
-    )
+    r = short_run(2, 1, warm_folder, tmp_path, REF, "--rl.max_lag=0", "--metrics.rollouts_every=1")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert records(tmp_path)[-1]["dropped_stale_groups"] > 0  # the engines ran ahead: there was something to drop
     dumps = sorted((tmp_path / "rl" / "rollouts").glob("step-*.jsonl"))
@@ -254,6 +264,7 @@ def test_two_nodes_of_two_processes(warm_folder, tmp_path):
         "--rl.attempts=4",
         "--inference.max_num_seqs=16",
         "--job.threads_per_rank=1",
+        REF,
     ]
     procs = [
         subprocess.Popen(
@@ -291,11 +302,12 @@ def test_two_nodes_of_two_processes(warm_folder, tmp_path):
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_failing_rank_brings_the_job_down_quickly(warm_folder, tmp_path, rank):
+    # (an inference rank whose vLLM engine core dies: test_a_killed_vllm_engine_core_restarts_the_job_which_finishes)
     env_fault = f"{rank}:3"
     os.environ["PIPELINERL_FAULT"] = env_fault
     try:
         t0 = time.time()
-        r = short_run(2, 1, warm_folder, tmp_path, timeout=180)
+        r = short_run(2, 1, warm_folder, tmp_path, REF, timeout=180)
         elapsed = time.time() - t0
     finally:
         del os.environ["PIPELINERL_FAULT"]
@@ -316,6 +328,7 @@ def test_checkpoint_resume_restores_the_trainer_exactly(warm_folder, tmp_path):
         warm_folder,
         tmp_path / "a",
         ck,
+        REF,
         "--rl.max_steps=4",
         "--checkpoint.interval=2",
         "--checkpoint.export_every=1",
@@ -330,7 +343,7 @@ def test_checkpoint_resume_restores_the_trainer_exactly(warm_folder, tmp_path):
         assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all((f / "tokenizer.json").is_file() and (f / "config.json").is_file() for _, f in exports)
     # Resuming at the last step trains nothing: the exported policy must be the checkpoint's, bit for bit.
-    r = short_run(2, 1, warm_folder, tmp_path / "b", ck, "--rl.max_steps=4", "--checkpoint.resume=required")
+    r = short_run(2, 1, warm_folder, tmp_path / "b", ck, REF, "--rl.max_steps=4", "--checkpoint.resume=required")
     assert r.returncode == 0, r.stderr[-4000:]
     assert "resumed from" in r.stdout
     a = load_file(str(tmp_path / "a" / "final" / "model.safetensors"))
@@ -339,35 +352,37 @@ def test_checkpoint_resume_restores_the_trainer_exactly(warm_folder, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], init[k]) for k in a)  # training did move the weights
     # Resuming with more steps continues the version count where it stopped.
-    r = short_run(2, 1, warm_folder, tmp_path / "c", ck, "--rl.max_steps=6", "--checkpoint.resume=required")
+    r = short_run(2, 1, warm_folder, tmp_path / "c", ck, REF, "--rl.max_steps=6", "--checkpoint.resume=required")
     assert r.returncode == 0, r.stderr[-4000:]
     assert [x["version"] for x in records(tmp_path / "c")] == [5, 6]
 
 
 @pytest.mark.parametrize(
-    "fault, resumed",
+    "fault, resumed, engine",
     [
         # the trainer, killed (SIGKILL: no stop checkpoint) before its step 7: the periodic step 4 is resumed. That
         # the resumed weights and optimizer are the checkpoint's is test_checkpoint_resume_restores_the_trainer_
         # exactly's and test_resumed_trainer_takes_the_same_next_step's; the accuracy of restarted runs is
         # benchmarks/restart_accuracy.py's (an accuracy bound here depended on the machine: the warm start reaches
         # 0.764 on one 2-core kind and 0.516 on another, with the same code)
-        ("0:7:kill", 4),
+        ("0:7:kill", 4, REF),
         # the inference rank, once its engine holds version 6: torchrun stops the trainer with SIGTERM, and the
         # trainer saves the steps it finished (6 or more) before it exits
-        ("1:6:kill", None),
-        ("1:6:kill:core-update", None),  # vLLM's engine core, halfway through loading version 6: the same
-        ("0:8:kill:save", 4),  # the trainer while saving step 8: files written, meta.json not yet
+        ("1:6:kill", None, REF),
+        # vLLM's engine core, halfway through loading version 6: the same
+        ("1:6:kill:core-update", None, "--inference.engine=vllm"),
+        ("0:8:kill:save", 4, REF),  # the trainer while saving step 8: files written, meta.json not yet
     ],
 )
-def test_a_killed_rank_restarts_the_job_which_resumes_and_finishes(warm_folder, tmp_path, fault, resumed):
+def test_a_killed_rank_restarts_the_job_which_resumes_and_finishes(warm_folder, tmp_path, fault, resumed, engine):
     """torchrun --max-restarts=1: the job restarts after a process dies without a word (see faults.py for the
     points), resumes from the newest intact checkpoint (a surviving trainer's stop checkpoint, else the last
     periodic one: at most one interval of steps lost; a save cut short is skipped), continues the data position,
     and every step is logged once."""
     os.environ["PIPELINERL_FAULT"] = fault
     try:
-        r = short_run(2, 1, warm_folder, tmp_path, "--checkpoint.interval=4", "--metrics.log_every=1", max_restarts=1)
+        args = ("--checkpoint.interval=4", "--metrics.log_every=1", engine)
+        r = short_run(2, 1, warm_folder, tmp_path, *args, max_restarts=1)
     finally:
         del os.environ["PIPELINERL_FAULT"]
     assert r.returncode == 0, r.stderr[-4000:]
@@ -391,15 +406,16 @@ def test_a_killed_rank_restarts_the_job_which_resumes_and_finishes(warm_folder, 
     assert (ck / "latest").read_text().strip() == "step-0000012"  # a final checkpoint
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_the_launcher_stops_every_process_quickly(warm_folder, tmp_path, sig):
+@pytest.mark.parametrize("sig, engine", [(signal.SIGTERM, "vllm"), (signal.SIGINT, "reference")])
+def test_a_signal_to_the_launcher_stops_every_process_quickly(warm_folder, tmp_path, sig, engine):
     """Ctrl-C or SIGTERM to torchrun: the job ends within 30 s, the trainer saved a checkpoint of the last step it
     finished (checkpoints every 50 steps: none was written before), no process of it (vLLM's included) is left,
     and the next start resumes from that checkpoint without a step lost or logged twice."""
     from pipelinerl_fsdp.checkpoint_layout import newest_intact
     from pipelinerl_fsdp.job.processes import alive, descendants
 
-    args = short_run_args(1, warm_folder, tmp_path, "--checkpoint.interval=50", "--metrics.log_every=1")
+    extra = ("--checkpoint.interval=50", "--metrics.log_every=1", f"--inference.engine={engine}")
+    args = short_run_args(1, warm_folder, tmp_path, *extra)
     cmd, env = torchrun_command(2, ROOT / "run_train.py", *args, "--rl.max_steps=1000", "--job.threads_per_rank=1")
     with open(tmp_path / "log.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -410,8 +426,10 @@ def test_a_signal_to_the_launcher_stops_every_process_quickly(warm_folder, tmp_p
                 assert proc.poll() is None and time.time() < deadline, (tmp_path / "log.txt").read_text()[-3000:]
                 time.sleep(0.5)
             tree = descendants(proc.pid)
-            assert len(tree) >= 4, tree  # 2 ranks, vLLM's engine core and worker
-            if len(os.sched_getaffinity(0)) >= 2:  # job.bind_cores: each rank's process tree on cores of its own
+            assert len(tree) >= (4 if engine == "vllm" else 2), tree  # 2 ranks, vLLM's engine core and worker
+            if (
+                engine == "vllm" and len(os.sched_getaffinity(0)) >= 2
+            ):  # job.bind_cores: each rank's process tree on cores of its own
                 ranks = {rank_of(pid): pid for pid in tree if b"run_train.py" in cmdline(pid)}
                 core = next(pid for pid in tree if b"EngineCore" in cmdline(pid))
                 trainer, engine = os.sched_getaffinity(ranks["0"]), os.sched_getaffinity(ranks["1"])
@@ -434,7 +452,8 @@ def test_a_signal_to_the_launcher_stops_every_process_quickly(warm_folder, tmp_p
     assert saved == logged[-1] >= 5 and logged == list(range(1, saved + 1)), (saved, logged, out[-3000:])
     assert f"stopped by {sig.name}: saved the checkpoint of step {saved}" in out, out[-3000:]
     if sig == signal.SIGTERM:  # the next start goes on from there
-        r = short_run(2, 1, warm_folder, tmp_path, "--checkpoint.interval=50", f"--rl.max_steps={saved + 2}")
+        # (the next start's engine plays no part in what is checked: the reference one starts in a second)
+        r = short_run(2, 1, warm_folder, tmp_path, REF, "--checkpoint.interval=50", f"--rl.max_steps={saved + 2}")
         assert r.returncode == 0, r.stderr[-3000:]
         assert f"at step {saved}," in r.stdout.split("resumed from")[1], r.stdout[-3000:]
         assert [x["step"] for x in records(tmp_path)] == list(range(1, saved + 3))
@@ -504,10 +523,14 @@ def test_one_and_two_trainer_ranks_take_the_same_gradient_on_the_same_batch():
     assert "DP_EQUIVALENCE_OK" in r.stdout
 
 
-def test_ppo_loss_with_kl_to_the_initial_policy(warm_folder, tmp_path):
-    r = short_run(2, 1, warm_folder, tmp_path, "--rl.loss=ppo", "--rl.kl_coef=0.1", "--rl.max_steps=6")
+def test_another_loss_with_kl_to_the_initial_policy(warm_folder, tmp_path):
+    """GRPO (PPO clip, each sequence's token mean, std-normalised advantages) with a KL penalty and a token mask."""
+    args = ("--loss.name=grpo", "--rl.std_normalize=true", "--loss.mask=token", "--rl.kl_coef=0.1")
+    r = short_run(2, 1, warm_folder, tmp_path, REF, *args, "--rl.max_steps=6")
     assert r.returncode == 0, r.stderr[-4000:]
     recs = records(tmp_path)
+    # the token mask left out exactly what its rule counts (mostly nothing this close to on-policy)
+    assert all(x["masked_frac"] == x["mis_token_frac"] and math.isfinite(x["is_ratio_max"]) for x in recs)
     assert recs[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is still the reference
     assert recs[-1]["kl"] > 0  # ...and moves away from it
 
@@ -571,7 +594,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(warm_folder, tmp_path):
     are counted; with trainer.max_nonfinite_steps = 2 the second one in a row ends the job with the reason."""
     os.environ["PIPELINERL_FAULT_NAN"] = "3,4"
     try:
-        r = short_run(2, 1, warm_folder, tmp_path / "a", "--inference.engine=reference", "--rl.max_steps=8")
+        r = short_run(2, 1, warm_folder, tmp_path / "a", REF, "--rl.max_steps=8")
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
         recs = records(tmp_path / "a")
         assert [x["version"] for x in recs] == [1, 2, 3, 3, 3, 4, 5, 6]
@@ -582,7 +605,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(warm_folder, tmp_path):
             1,
             warm_folder,
             tmp_path / "b",
-            "--inference.engine=reference",
+            REF,
             "--rl.max_steps=8",
             "--trainer.max_nonfinite_steps=2",
             timeout=180,
@@ -598,7 +621,7 @@ def test_engine_trainer_mismatch_stops_the_job_before_the_first_update(warm_fold
     (`rl.check_mismatch`, default 0.25) stops the job at its first step with the numbers, before any update."""
     os.environ["PIPELINERL_FAULT_LOGPROB_SHIFT"] = "0.5"
     try:
-        r = short_run(2, 1, warm_folder, tmp_path, "--inference.engine=reference", "--rl.max_steps=4", timeout=180)
+        r = short_run(2, 1, warm_folder, tmp_path, REF, "--rl.max_steps=4", timeout=180)
     finally:
         del os.environ["PIPELINERL_FAULT_LOGPROB_SHIFT"]
     assert r.returncode != 0

@@ -16,6 +16,7 @@ from pipelinerl_fsdp.checkpoint_layout import damage, newest_intact
 from pipelinerl_fsdp.config import _CHECKS, Config, ConfigError, _sections
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models.hf_io import read_model_args, read_state_dict
+from pipelinerl_fsdp.rl.objectives import CONFIGS as LOSS_CONFIGS
 from pipelinerl_fsdp.tasks import TASKS, task_class
 from pipelinerl_fsdp.tokenizer import load_tokenizer
 
@@ -35,7 +36,7 @@ def numeric_keys() -> list[tuple[str, str]]:
 def test_every_numeric_key_has_a_range_check():
     """A numeric key added without a check would accept nonsense (a negative batch size) silently. The task's keys
     are its own config's business (next test)."""
-    unchecked = [k for k in numeric_keys() if k not in _CHECKS and k not in ANY_VALUE and k[0] != "task"]
+    unchecked = [k for k in numeric_keys() if k not in _CHECKS and k not in ANY_VALUE and k[0] not in ("task", "loss")]
     assert unchecked == [], f"add a check to config._CHECKS (or to ANY_VALUE here): {unchecked}"
 
 
@@ -48,6 +49,16 @@ def test_every_task_rejects_a_negative_value_of_each_numeric_key(name):
         if hints[f.name] in (int, float) and not f.name.endswith("seed"):
             cfg = cls(**{f.name: -1})
             assert f.name in {k for k, _ in cfg.check()}, f"task {name}: {f.name} = -1 accepted"
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_CONFIGS))
+def test_every_loss_rejects_a_negative_value_of_each_numeric_key(name):
+    """Each registered loss's `check()` names every numeric key set to -1."""
+    cls = LOSS_CONFIGS[name]
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if hints[f.name] in (int, float):
+            assert f.name in {k for k, _ in cls(**{f.name: -1}).check()}, f"loss {name}: {f.name} = -1 accepted"
 
 
 @pytest.mark.parametrize("key", sorted(_CHECKS), ids=lambda k: ".".join(k))

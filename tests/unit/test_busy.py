@@ -49,6 +49,7 @@ def sample() -> Sample:
 
 
 SUMS = {k: 2.0 for k in ("sum_rho", "sum_rho2", "sum_w", "sum_w2", "tokens")} | {"entropy": 0, "clipped": 0, "kl": 0}
+SUMS |= {"masked": 0, "mis_tokens": 0, "mis_seqs": 0, "sequences": 1, "max_log_ratio": 0.0}
 
 
 def test_blocked_time_is_reported_beside_busy_not_inside_it():

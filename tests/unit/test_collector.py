@@ -8,13 +8,20 @@ import threading
 import pytest
 
 from pipelinerl_fsdp.config import RLConfig
+from pipelinerl_fsdp.rl.advantages import group_advantages
 from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.training.collector import Collector, group_lag, split_stale
 
 
-def group(gid: int, versions: list[list[int]], rewards: list[float] | None = None) -> list[Sample]:
+def group(
+    gid: int, versions: list[list[int]], rewards: list[float] | None = None, advantages: list[float] | None = None
+) -> list[Sample]:
+    """A finished group as an engine sends it: advantages against the group mean unless given."""
     rewards = rewards or [float(i % 2) for i in range(len(versions))]
-    return [Sample(gid, [1, 2], [3] * len(v), [-0.1] * len(v), v, r) for v, r in zip(versions, rewards)]
+    advantages = advantages or group_advantages(rewards)
+    return [
+        Sample(gid, [1, 2], [3] * len(v), [-0.1] * len(v), v, r, a) for v, r, a in zip(versions, rewards, advantages)
+    ]
 
 
 class FakeSource:
@@ -88,11 +95,14 @@ def test_zero_advantage_groups_are_filtered_and_counted():
             group(1, [[1], [1]], [0.0, 1.0]),
             group(2, [[1], [1]], [0.0, 0.0]),
             group(3, [[1], [1]], [1.0, 0.0]),
+            # the same rewards, told apart by a loss's overlong punishment: a learning signal, kept
+            group(4, [[1], [1]], [1.0, 1.0], [0.25, -0.25]),
+            group(5, [[1], [1]], [0.0, 1.0]),
         ]
     )
     c = Collector(src, rl(filter_zero_advantage=True), n_engines=1)
-    batch = c.next_batch(version=1, timeout_s=5)
-    assert {s.group_id for s in batch} == {1, 3}
+    batch = c.next_batch(version=1, timeout_s=5) + c.next_batch(version=1, timeout_s=5)
+    assert {s.group_id for s in batch} == {1, 3, 4, 5}
     assert c.counts.filtered_groups == 2 and c.counts.filtered_samples == 4 and c.counts.dropped_groups == 0
 
 

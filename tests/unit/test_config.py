@@ -173,4 +173,4 @@ def test_math_configs_load_once_paths_are_set(tmp_path, name):
     cfg = load_config(["--config", name, f"--model.path={tmp_path}", "--task.train_files=['data/math/orz.parquet']"])
     assert cfg.task.name == "math" and cfg.rl.batch_size % cfg.rl.attempts == 0
     if name == "math":  # the paper's split and batch
-        assert (cfg.world.inference_ranks, cfg.rl.batch_size, cfg.rl.is_clip, cfg.rl.kl_coef) == (48, 4096, 5.0, 0.0)
+        assert (cfg.world.inference_ranks, cfg.rl.batch_size, cfg.loss.is_clip, cfg.rl.kl_coef) == (48, 4096, 5.0, 0.0)

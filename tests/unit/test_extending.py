@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
+import types
 from pathlib import Path
 from unittest import mock
 
@@ -18,7 +20,7 @@ from pipelinerl_fsdp.inference.factory import engine_class
 from pipelinerl_fsdp.inference.kinds import ENGINE_KINDS, EngineKind, engine_kind
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.rl import objectives
-from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
+from pipelinerl_fsdp.rl.loss import policy_loss
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
 
@@ -68,21 +70,27 @@ def test_the_docs_engine_example_is_selected_by_name_and_generates(tmp_path, mon
 
 def test_the_docs_loss_example_registers_and_matches_reinforce_on_policy():
     code = block("# pipelinerl_fsdp/rl/objectives/plain_pg.py")
-    with mock.patch.dict(objectives.OBJECTIVES):
-        exec(code, {"__name__": "plain_pg"})
-        cfg = load_config(["--rl.loss=plain_pg"])
+    module = types.ModuleType("plain_pg")  # dataclasses look their module up in sys.modules
+    with mock.patch.dict(objectives.OBJECTIVES), mock.patch.dict(objectives.CONFIGS), mock.patch.dict(sys.modules):
+        sys.modules["plain_pg"] = module
+        exec(code, module.__dict__)
+        cfg = load_config(["--loss.name=plain_pg", "--loss.scale=2.0"])
         torch.manual_seed(0)
         logp = (torch.randn(10) - 2).requires_grad_()
-        adv, mask = torch.randn(10), torch.ones(10)
+        adv, mask, weight = torch.randn(10), torch.ones(10), torch.full((10,), 0.25)
         grads = {}
-        for kind, behaviour in (("plain_pg", logp.detach()), ("reinforce", logp.detach()), ("off", logp.detach() - 1)):
+        for kind, behaviour in (
+            ("plain_pg", logp.detach()),
+            ("reinforce_tis", logp.detach()),
+            ("off", logp.detach() - 1),
+        ):
             logp.grad = None
-            settings = LossSettings(kind="plain_pg" if kind == "off" else kind)
-            loss, _ = policy_loss(logp, behaviour, adv, mask, 4.0, settings)
+            loss_cfg = cfg.loss if kind != "reinforce_tis" else objectives.CONFIGS["reinforce_tis"]()
+            loss, _ = policy_loss(logp, behaviour, adv, mask, weight, loss_cfg)
             loss.backward()
             grads[kind] = logp.grad.clone()
-    assert cfg.rl.loss == "plain_pg"
-    torch.testing.assert_close(grads["plain_pg"], grads["reinforce"])  # on-policy: rho = 1, the same gradient
+    assert (cfg.loss.name, cfg.loss.scale) == ("plain_pg", 2.0)
+    torch.testing.assert_close(grads["plain_pg"], 2 * grads["reinforce_tis"])  # on-policy: rho = 1; its own key
     torch.testing.assert_close(grads["off"], grads["plain_pg"])  # it ignores rho (what makes it on-policy only)
-    with pytest.raises(ConfigError, match=r"rl\.loss = 'plain_pg' is not one of 'ppo', 'reinforce'"):
-        load_config(["--rl.loss=plain_pg"])
+    with pytest.raises(ConfigError, match=r"loss\.name = 'plain_pg' is not one of 'cispo', 'dapo'"):
+        load_config(["--loss.name=plain_pg"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelinerl_fsdp.rl.loss import LossSettings, policy_loss
+from pipelinerl_fsdp.rl.loss import policy_loss
+from pipelinerl_fsdp.rl.objectives.reinforce_tis import ReinforceTISConfig
 from pipelinerl_fsdp.rl.step_metrics import (
     EngineCounters,
     StepTimes,
@@ -30,6 +31,11 @@ SUMS = {
     "entropy": 2.0,
     "clipped": 1.0,
     "kl": 0.4,
+    "masked": 0.0,
+    "mis_tokens": 0.0,
+    "mis_seqs": 0.0,
+    "sequences": 2.0,
+    "max_log_ratio": 0.0,
 }
 
 
@@ -47,12 +53,15 @@ def test_ess_and_clipping_from_the_loss_of_known_importance_weights():
     """Weights pi/mu = (2, 0.5, 1, 1) through the real loss, truncated at c = 1.5; the values worked by hand."""
     logp = torch.log(torch.tensor([0.4, 0.1, 0.3, 0.2]))
     behaviour = logp - torch.log(torch.tensor([2.0, 0.5, 1.0, 1.0]))
-    _, sums = policy_loss(logp, behaviour, torch.ones(4), torch.ones(4), 2.0, LossSettings(is_clip=1.5))
+    _, sums = policy_loss(
+        logp, behaviour, torch.ones(4), torch.ones(4), torch.full((4,), 0.5), ReinforceTISConfig(is_clip=1.5)
+    )
     m = step_metrics([s([4, 4], 1.0), s([4, 4], 0.0)], 4, dict(sums, entropy=0.0), EngineCounters(),
                      EngineCounters(), StepTimes(0, 1, 2, 0))  # fmt: skip
     assert m["ess"] == pytest.approx(4.5**2 / (4 * 6.25))  # raw: sum 4.5, sum of squares 6.25 -> 0.81
     assert m["ess_truncated"] == pytest.approx(4.0**2 / (4 * 4.5))  # (1.5, 0.5, 1, 1) -> 0.889
     assert m["is_clipped_frac"] == 0.25  # one token of four above c
+    assert m["is_ratio_max"] == pytest.approx(2.0, rel=1e-6)  # the largest raw weight
 
 
 def test_ess_is_of_the_raw_weights_and_ess_truncated_of_the_applied_ones():

@@ -1,0 +1,247 @@
+"""Every registered loss on one packed micro-batch of two groups with known log-probs: the loss value and its
+gradient against the closed form of the loss's formula (computed here in plain Python, token by token), for each
+normalisation, the mismatch masks, sequence-level TIS and GSPO's sequence ratio; the per-sample weights and the
+overlong punishment by hand; and the `[loss]` section of the config."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipelinerl_fsdp.config import ConfigError
+from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.rl.advantages import overlong_penalty, shaped_group_advantages
+from pipelinerl_fsdp.rl.loss import policy_loss
+from pipelinerl_fsdp.rl.normalization import assign_loss_weights, sample_weights
+from pipelinerl_fsdp.rl.objectives import CONFIGS, OBJECTIVES
+from pipelinerl_fsdp.samples import Sample
+
+# Two groups of two samples: (group, advantage, log rho per completion token). A prompt position (mask 0) opens the
+# row, so every field is also checked to ignore it. Ratios: 1.105, 0.741 | 1, 7.39, 0.951 | 1.162 | 0.202, 1.051.
+SAMPLES = [
+    (0, 1.0, [0.1, -0.3]),
+    (0, -1.0, [0.0, 2.0, -0.05]),
+    (1, 0.5, [0.15]),
+    (1, -0.5, [-1.6, 0.05]),
+]
+B, L = 4, 4  # samples in the step; task.max_new_tokens
+LOGP = [-0.7, -1.2, -0.4, -2.3, -0.9, -0.2, -1.1, -0.6]  # log pi of each completion token
+
+
+def micro_batch() -> dict[str, torch.Tensor]:
+    """One packed row: a prompt target, then the four samples' completion tokens."""
+    log_ratio = [x for _, _, lr in SAMPLES for x in lr]
+    adv = [a for _, a, lr in SAMPLES for _ in lr]
+    seq = [0] + [i for i, (_, _, lr) in enumerate(SAMPLES) for _ in lr]
+    return {
+        "logp": torch.tensor([-3.0] + LOGP, dtype=torch.float64),
+        "behaviour": torch.tensor([-3.0] + [p - r for p, r in zip(LOGP, log_ratio)], dtype=torch.float64),
+        "adv": torch.tensor([0.0] + adv, dtype=torch.float64),
+        "mask": torch.tensor([0.0] + [1.0] * len(LOGP), dtype=torch.float64),
+        "seq": torch.tensor(seq),
+    }
+
+
+def hand_weights(mode: str) -> list[float]:
+    """Each sample's normalisation weight, from rl/normalization.py's table."""
+    n = [len(lr) for _, _, lr in SAMPLES]
+    group_tokens = {0: n[0] + n[1], 1: n[2] + n[3]}
+    return {
+        "sequences": [1 / B] * 4,
+        "tokens": [1 / sum(n)] * 4,
+        "sequence_mean": [1 / (B * k) for k in n],
+        "group_mean": [1 / (2 * group_tokens[g]) for g, _, _ in SAMPLES],
+        "constant": [1 / (B * L)] * 4,
+    }[mode]
+
+
+def closed_form(name: str, cfg) -> tuple[float, list[float]]:
+    """The loss and d loss / d log pi per completion token, from the loss's formula, token by token."""
+    weights = hand_weights(cfg.normalize)
+    loss, grad = 0.0, []
+    for (_, a, lrs), w in zip(SAMPLES, weights):
+        logps = [LOGP[len(grad) + j] for j in range(len(lrs))]
+        if name == "gspo":
+            s = math.exp(sum(lrs) / len(lrs))
+            lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+            active = s * a <= min(max(s, lo), hi) * a  # the unclipped term is the minimum: its gradient flows
+            loss += w * len(lrs) * -min(s * a, min(max(s, lo), hi) * a)
+            grad += [w * (-s * a if active else 0.0)] * len(lrs)
+            continue
+        seq_ratio = math.exp(sum(lrs))
+        for lr, lp in zip(lrs, logps):
+            r = math.exp(lr)
+            if name == "reinforce_tis":
+                c = min(r if cfg.is_level == "token" else seq_ratio, cfg.is_clip)
+                loss += w * -c * a * lp
+                grad.append(w * -c * a)
+            elif name == "cispo":
+                c = min(max(r, 1 - cfg.eps_low), 1 + cfg.eps_high)
+                loss += w * -c * a * lp
+                grad.append(w * -c * a)
+            else:  # the PPO family
+                clipped = min(max(r, 1 - cfg.eps_low), 1 + cfg.eps_high)
+                loss += w * -min(r * a, clipped * a)
+                grad.append(w * (-r * a if r * a <= clipped * a else 0.0))
+    return loss, grad
+
+
+def run(cfg) -> tuple[float, list[float], dict[str, float]]:
+    mb = micro_batch()
+    logp = mb["logp"].clone().requires_grad_()
+    per_sample = hand_weights(cfg.normalize)
+    weight = torch.tensor([0.0] + [per_sample[i] for i in mb["seq"][1:].tolist()], dtype=torch.float64)
+    loss, stats = policy_loss(logp, mb["behaviour"], mb["adv"], mb["mask"], weight, cfg, mb["seq"])
+    loss.backward()
+    assert logp.grad[0] == 0  # the prompt position
+    return loss.item(), logp.grad[1:].tolist(), stats
+
+
+def test_every_paper_loss_is_registered_with_its_own_config():
+    assert {"reinforce_tis", "ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo"} <= set(OBJECTIVES)
+    for name, cls in CONFIGS.items():
+        assert cls().name == name and OBJECTIVES[name].__doc__  # the formula and its source
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_each_loss_and_its_gradient_match_its_closed_form(name):
+    cfg = CONFIGS[name]()
+    loss, grad, _ = run(cfg)
+    want_loss, want_grad = closed_form(name, cfg)
+    assert loss == pytest.approx(want_loss, rel=1e-9, abs=1e-12)
+    assert grad == pytest.approx(want_grad, rel=1e-9, abs=1e-12)
+    assert any(g != 0 for g in grad)  # something to compare
+
+
+@pytest.mark.parametrize("mode", ["sequences", "tokens", "sequence_mean", "group_mean", "constant"])
+@pytest.mark.parametrize("name", ["reinforce_tis", "ppo"])
+def test_each_normalisation_weighs_tokens_as_its_table_says(name, mode):
+    cfg = CONFIGS[name](normalize=mode)
+    loss, grad, _ = run(cfg)
+    want_loss, want_grad = closed_form(name, cfg)
+    assert loss == pytest.approx(want_loss, rel=1e-9) and grad == pytest.approx(want_grad, rel=1e-9, abs=1e-12)
+
+
+def test_hand_computed_values_of_the_paper_loss_and_of_ppo():
+    # reinforce_tis, c = 5, over B = 4: -(1/4) sum_t min(rho_t, 5) A log pi
+    loss, grad, stats = run(CONFIGS["reinforce_tis"]())
+    w = [math.exp(0.1), math.exp(-0.3), 1.0, 5.0, math.exp(-0.05), math.exp(0.15), math.exp(-1.6), math.exp(0.05)]
+    a = [1, 1, -1, -1, -1, 0.5, -0.5, -0.5]
+    assert loss == pytest.approx(-sum(x * y * p for x, y, p in zip(w, a, LOGP)) / 4, rel=1e-9)
+    assert grad[3] == pytest.approx(5.0 / 4)  # -5 * (-1) / 4: the truncated weight
+    assert stats["clipped"] == 1 and stats["tokens"] == 8 and stats["sequences"] == 4
+    # ppo, eps 0.2: tokens 0.741 (A > 0) and 7.39 (A < 0) keep the unclipped term (pessimistic); 0.202 with A < 0 is
+    # clipped at 0.8 and loses its gradient
+    _, grad, stats = run(CONFIGS["ppo"]())
+    assert grad[6] == 0 and grad[3] == pytest.approx(math.exp(2.0) / 4) and stats["clipped"] == 1
+
+
+def test_sequence_level_tis_weights_every_token_of_a_sequence_by_its_truncated_product():
+    cfg = CONFIGS["reinforce_tis"](is_level="sequence", is_clip=1.5)
+    loss, grad, stats = run(cfg)
+    want_loss, want_grad = closed_form("reinforce_tis", cfg)
+    assert loss == pytest.approx(want_loss, rel=1e-9) and grad == pytest.approx(want_grad, rel=1e-9)
+    # sample 1: product e^1.95 = 7.03 -> 1.5 at each of its tokens; sample 3: e^-1.55 = 0.21, untruncated
+    assert grad[2] == grad[3] == grad[4] == pytest.approx(1.5 / 4)
+    assert grad[6] == pytest.approx(-math.exp(-1.55) * -0.5 / 4)
+    assert stats["clipped"] == 3  # the three tokens of the truncated sequence
+
+
+def test_gspo_clips_whole_sequences_on_their_geometric_mean_ratio():
+    _, grad, stats = run(CONFIGS["gspo"]())
+    # every sequence's geometric-mean ratio s_i is far outside 1 -/+ 4e-4; as in PPO, the clip takes a sequence's
+    # gradient away only where its advantage pushes s further out (A > 0 and s > 1, or A < 0 and s < 1)
+    s = [math.exp(sum(lr) / len(lr)) for _, _, lr in SAMPLES]
+    assert s[0] < 1 and s[1] > 1 and s[2] > 1 and s[3] < 1
+    assert grad[0] == grad[1] == pytest.approx(-s[0] * 1.0 / (4 * 2))  # s_i A_i grad log pi, over B n_i
+    assert grad[2:5] == pytest.approx([s[1] / (4 * 3)] * 3)
+    assert grad[5:] == [0.0, 0.0, 0.0]  # samples 2 and 3: clipped, whole sequences
+    assert stats["clipped"] == 3
+
+
+def test_token_and_sequence_masks_leave_out_what_lies_outside_the_bounds():
+    for rule, out in (("token", [3, 6]), ("sequence", [6, 7])):
+        cfg = CONFIGS["reinforce_tis"](mask=rule)
+        _, grad, stats = run(cfg)
+        _, full = closed_form("reinforce_tis", cfg)
+        # 7.39 and 0.202 are the tokens outside [0.5, 2]; sample 3 (geometric mean e^-0.775 = 0.46) the sequence
+        assert [i for i, g in enumerate(grad) if g == 0] == out
+        assert [g for i, g in enumerate(grad) if i not in out] == pytest.approx(
+            [g for i, g in enumerate(full) if i not in out]
+        )
+        assert stats["masked"] == 2 and stats["mis_tokens"] == 2 and stats["mis_seqs"] == 1
+    _, _, stats = run(CONFIGS["reinforce_tis"]())  # no mask: the rules are measured all the same
+    assert stats["masked"] == 0 and stats["mis_tokens"] == 2 and stats["mis_seqs"] == 1
+    assert stats["max_log_ratio"] == pytest.approx(2.0)
+
+
+def test_sample_weights_by_hand():
+    lengths, groups = [2, 3, 1, 2], [0, 0, 1, 1]
+    everyone = [True] * 4
+    assert sample_weights(lengths, groups, everyone, "sequences", 4, 2, 4) == [0.25] * 4
+    assert sample_weights(lengths, groups, everyone, "tokens", 4, 2, 4) == [1 / 8] * 4
+    assert sample_weights(lengths, groups, everyone, "sequence_mean", 4, 2, 4) == pytest.approx(
+        [1 / 8, 1 / 12, 1 / 4, 1 / 8]
+    )
+    assert sample_weights(lengths, groups, everyone, "group_mean", 4, 2, 4) == pytest.approx([0.1, 0.1, 1 / 6, 1 / 6])
+    assert sample_weights(lengths, groups, everyone, "constant", 4, 2, 4) == [1 / 16] * 4
+    # a wave of one group of a 2-group step: group and sequence weights are those of the whole step
+    assert sample_weights([2, 3], [0, 0], [True, True], "group_mean", 4, 2, 4) == pytest.approx([0.1, 0.1])
+    # overlong-filtered sample 1: weight 0, and out of every total
+    some = [True, False, True, True]
+    assert sample_weights(lengths, groups, some, "tokens", 4, 2, 4) == [0.2, 0.0, 0.2, 0.2]
+    assert sample_weights(lengths, groups, some, "group_mean", 4, 2, 4) == pytest.approx([0.25, 0.0, 1 / 6, 1 / 6])
+
+
+def test_assign_loss_weights_filters_truncated_samples_only_when_asked():
+    def sample(n: int, finished: bool) -> Sample:
+        return Sample(0, [1], [2] * n, [0.0] * n, [0] * n, 1.0, 0.0, finished)
+
+    batch = [sample(2, True), sample(6, False)]
+    assign_loss_weights(batch, CONFIGS["dapo"](), 2, 2, 8)  # tokens: 1 / 8 each
+    assert [s.loss_weight for s in batch] == [1 / 8, 1 / 8]
+    assign_loss_weights(batch, CONFIGS["dapo"](overlong_filter=True), 2, 2, 8)
+    assert [s.loss_weight for s in batch] == [0.5, 0.0]
+
+
+def test_overlong_punishment_by_hand():
+    # budget 100, buffer 0.2: no penalty up to 80 tokens, then linear to -penalty at 100
+    assert overlong_penalty(80, 100, 0.2, 1.0) == 0.0 and overlong_penalty(50, 100, 0.2, 1.0) == 0.0
+    assert overlong_penalty(90, 100, 0.2, 1.0) == pytest.approx(-0.5)
+    assert overlong_penalty(100, 100, 0.2, 2.0) == pytest.approx(-2.0)
+    assert overlong_penalty(100, 100, 0.0, 1.0) == 0.0  # off
+    # equal rewards, different lengths: only the shaped advantages tell them apart
+    assert shaped_group_advantages([1.0, 1.0], [50, 100], "mean", False, 100, 0.2, 1.0) == pytest.approx([0.5, -0.5])
+    assert shaped_group_advantages([1.0, 1.0], [50, 100], "mean", False, 100, 0.0, 1.0) == [0.0, 0.0]
+
+
+def test_the_loss_section_selects_a_loss_and_its_own_keys():
+    cfg = load_config(["--loss.name=gspo"])
+    assert (cfg.loss.name, cfg.loss.eps_low, cfg.loss.normalize) == ("gspo", 3e-4, "sequence_mean")
+    cfg = load_config(["--loss.name=dapo", "--loss.eps_high=0.3", "--loss.overlong_filter=true"])
+    assert (cfg.loss.eps_high, cfg.loss.normalize, cfg.loss.overlong_filter) == (0.3, "tokens", True)
+    assert load_config([]).loss.name == "reinforce_tis" and load_config([]).loss.is_clip == 5.0
+    with pytest.raises(ConfigError, match=r"unknown key loss\.is_clip"):  # a key of another loss
+        load_config(["--loss.name=ppo", "--loss.is_clip=3"])
+    with pytest.raises(ConfigError, match=r"loss\.name = 'grpoo' is not one of"):
+        load_config(["--loss.name=grpoo"])
+    with pytest.raises(ConfigError, match=r"loss\.normalize"):
+        load_config(["--loss.normalize=per_token"])
+    with pytest.raises(ConfigError, match=r"loss\.mask_low = 1\.5 must be in \(0, 1\]"):
+        load_config(["--loss.mask_low=1.5"])
+    with pytest.raises(ConfigError, match=r"rl\.loss in command line: the loss is its own section now: loss\.name"):
+        load_config(["--rl.loss=ppo"])
+    with pytest.raises(ConfigError, match=r"needs rl\.waves = 1"):
+        load_config(["--loss.name=dapo", "--rl.waves=2"])
+
+
+def test_the_reference_implementation_preset_layers_over_a_job():
+    cfg = load_config(["--config", "arithmetic", "--config", "pipelinerl_reference"])
+    assert (cfg.task.name, cfg.inference.engine) == ("addition", "vllm")  # the job's keys stay
+    assert (cfg.loss.name, cfg.loss.eps_low, cfg.loss.eps_high, cfg.loss.normalize) == ("cispo", 1.0, 0.02, "sequences")
+    assert (cfg.rl.baseline, cfg.rl.std_normalize, cfg.rl.kl_coef) == ("loo", False, 0.0)
+    # its weight: min(rho, 1.02), no lower bound
+    _, grad, _ = run(cfg.loss)
+    assert grad[3] == pytest.approx(1.02 / 4) and grad[6] == pytest.approx(-math.exp(-1.6) * -0.5 / 4)
