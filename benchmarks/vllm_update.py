@@ -151,7 +151,7 @@ def bench(
             dist.barrier()
             _, version = receiver.wait_header()
             t0 = time.perf_counter()
-            engine.load_update(receiver, version, recompute=False)
+            engine.load_update(receiver, version, kv_max_age=-1)
             pauses.append((time.perf_counter() - t0) * 1000)
             load_s, wait_s = engine.last_load_seconds()
             loads_ms.append(load_s * 1000)

@@ -209,8 +209,10 @@ class InferenceConfig:
     max_num_seqs: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
-    # after an in-flight update: false keeps the KV cache of in-progress sequences, true recomputes it
-    recompute_kv_on_update: bool = False
+    # after an in-flight update, the KV cache of sequences in flight: -1 keeps it (the paper's and the default);
+    # 0 recomputes it under the new weights at every update; k >= 1 recomputes a sequence's cache only once its
+    # oldest cached token is more than k versions behind the new weights (docs/objective.md, "Stale KV")
+    kv_max_age: int = -1
     # finished groups an engine may queue for sending before it blocks (backpressure)
     max_queued_groups: int = 2
     # vLLM on CPU: KV-cache GiB per engine (0: sized from the config, see vllm_engine.kv_cache_gib_needed) and
@@ -389,6 +391,7 @@ _CHECKS: dict[tuple[str, str], tuple[typing.Callable[[Any], bool], str]] = {
     ("inference", "temperature"): (lambda v: v > 0, "> 0 (log-probs of a greedy policy are undefined)"),
     ("inference", "top_p"): (lambda v: 0 < v <= 1, "in (0, 1]"),
     ("inference", "max_queued_groups"): (lambda v: v >= 1, ">= 1"),
+    ("inference", "kv_max_age"): (lambda v: v >= -1, ">= -1 (-1: keep the KV cache; k >= 0: recompute it when older)"),
     ("inference", "kv_cache_gib"): (lambda v: v >= 0, ">= 0 (0: sized from the config)"),
     ("inference", "cpu_cores_per_engine"): (lambda v: v >= 0, ">= 0"),
     ("inference", "gpu_memory_utilization"): (lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -479,6 +482,8 @@ MOVED_KEYS = {
     "pipelinerl_fsdp/rl/objectives/)",
     "rl.is_clip": "now loss.is_clip (with loss.name = 'reinforce_tis')",
     "rl.ppo_eps": "now loss.eps_low and loss.eps_high (with loss.name = 'ppo', 'grpo', 'dr_grpo' or 'dapo')",
+    "inference.recompute_kv_on_update": "now inference.kv_max_age: -1 keeps the KV cache (false), 0 recomputes it "
+    "at every update (true), k >= 1 once it is more than k versions old",
 }
 
 

@@ -33,6 +33,8 @@ class Request:
     # sampling settings of this request (evaluation); None: the engine's (the training rollouts')
     temperature: float | None = None
     top_p: float | None = None
+    # the policy version whose weights computed the oldest entry of this request's KV cache; -1: no cache yet
+    kv_version: int = -1
 
 
 @dataclass
@@ -58,13 +60,23 @@ class EngineSettings:
         return self.world.trainer_ranks[0]
 
 
+def stale_kv(kv_versions: list[int], version: int, max_age: int) -> list[bool]:
+    """Which KV caches to recompute when the weights of `version` load: those whose oldest entry was computed by a
+    version more than `max_age` behind it (`inference.kv_max_age`; -1: none, the cache is always kept; 0: every
+    cache there is). `kv_versions`: per sequence, the version of its oldest cached entry (-1: no cache)."""
+    if max_age < 0:
+        return [False] * len(kv_versions)
+    return [kv >= 0 and version - kv > max_age for kv in kv_versions]
+
+
 class Engine(ABC):
     """A continuous-batching generation engine with in-flight weight updates.
 
     Update protocol, driven by the inference loop between two `step()` calls, after the header of an update has
     arrived on the job's `WeightReceiver`:
       pipeline / conventional: `load_update` pauses generation, receives the buckets, loads them and resumes;
-        sequences in flight continue under the new weights (their KV cache kept, or recomputed if asked);
+        sequences in flight continue under the new weights (their KV cache kept, or recomputed once older than
+        `inference.kv_max_age` versions: `stale_kv`);
       async: `stage_update` receives the buckets without loading them, and `apply_staged` loads them once the
         engine has drained (one version per sequence).
     """
@@ -99,9 +111,10 @@ class Engine(ABC):
         fractions."""
 
     @abstractmethod
-    def load_update(self, receiver: WeightReceiver, version: int, recompute: bool) -> None:
-        """Take the update whose header just arrived: later tokens carry `version`. `recompute`: re-prefill the
-        sequences in flight under the new weights instead of keeping their KV cache."""
+    def load_update(self, receiver: WeightReceiver, version: int, kv_max_age: int) -> int:
+        """Take the update whose header just arrived: later tokens carry `version`. Sequences in flight whose KV
+        cache is stale by `stale_kv(..., kv_max_age)` are prefilled again under the new weights; returns how many
+        sequences were (an engine that can only recompute all at once recomputes all when any is stale)."""
 
     @abstractmethod
     def stage_update(self, receiver: WeightReceiver) -> None:

@@ -6,8 +6,9 @@ in the lowest slots (a leaving request's slot takes the highest running one), so
 cache as a view rather than gathering it. Every sampled token
 records `self.version`, the policy version of the weights that produced it. Between two steps the inference loop
 may load new weights (`load_update`, which receives the broadcast straight into the parameters): in-progress
-requests keep their KV cache (computed by older weights) unless `recompute_kv()` re-prefills them under the new
-weights. It runs in the inference rank's own process, on its device; tests and machines without vLLM use it.
+requests keep their KV cache (computed by older weights) unless it is older than `inference.kv_max_age` versions,
+in which case `recompute_kv()` re-prefills them under the new weights. It runs in the inference rank's own process,
+on its device; tests and machines without vLLM use it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections import deque
 
 import torch
 
-from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request
+from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request, stale_kv
 from pipelinerl_fsdp.inference.kv_cache import KVCache
 from pipelinerl_fsdp.inference.sampling import sample_next
 from pipelinerl_fsdp.models import Transformer, load_hf_model
@@ -98,6 +99,8 @@ class ReferenceEngine(Engine):
         ids = torch.tensor([t for s in seqs for t in s], device=self.device)[None]
         logits = self.model(ids, pos, cache=self.cache)[0]
         self.cache.end_prefill()
+        for r in reqs:
+            r.kv_version = self.version
         last = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
         return logits[last]
 
@@ -185,11 +188,14 @@ class ReferenceEngine(Engine):
         """Call after loading new weights into `self.params`; later tokens carry this version."""
         self.version = version
 
-    def load_update(self, receiver: WeightReceiver, version: int, recompute: bool) -> None:
+    def load_update(self, receiver: WeightReceiver, version: int, kv_max_age: int) -> int:
         receiver.receive_buckets()  # into the bound parameters: the weights change in place
         self.set_version(version)
-        if recompute:
-            self.recompute_kv()
+        running = list(self.running.values())
+        stale = [r for r, s in zip(running, stale_kv([r.kv_version for r in running], version, kv_max_age)) if s]
+        if stale:
+            self.recompute_kv(stale)
+        return len(stale)
 
     def stage_update(self, receiver: WeightReceiver) -> None:
         if self._staging is None:
@@ -211,10 +217,10 @@ class ReferenceEngine(Engine):
         """Nothing to stop: the engine lives in this process."""
 
     @torch.no_grad()
-    def recompute_kv(self) -> None:
-        """Re-prefill every running request under the current weights (the 'recompute' switch)."""
-        running = list(self.running.values())
-        for r in running:
+    def recompute_kv(self, reqs: list[Request] | None = None) -> None:
+        """Re-prefill running requests (`reqs`, default all) under the current weights."""
+        reqs = list(self.running.values()) if reqs is None else reqs
+        for r in reqs:
             self.cache.free(r.slot)
-        if running:
-            self._prefill(running, upto_last=True)
+        if reqs:
+            self._prefill(reqs, upto_last=True)

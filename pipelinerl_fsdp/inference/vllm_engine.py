@@ -12,8 +12,13 @@ were sampled by the older weights, the rest by the newer ones; a request the wor
 never scheduled) gets count 0. Each request keeps a list of (first token index, version) segments.
 
 Loads go into the running model (`vllm_load.py`: the model's `load_weights` into kept weights by default, or vLLM's
-`reload_weights`); either keeps the KV cache of running requests. The recompute switch pauses
-with `clear_cache=True`, which preempts running requests so they are prefilled again under the new weights.
+`reload_weights`); either keeps the KV cache of running requests. With `inference.kv_max_age` >= 0 the client tracks,
+per request, the version that computed its oldest cached entry (a request the worker holds at an update and had not
+held at the one before was prefilled by the weights before this update); when any held request's cache is older than
+allowed (`engine.stale_kv`), `reset_prefix_cache(reset_running_requests=True)` during the pause preempts every
+running request, and vLLM prefills them again under the new weights when it resumes. vLLM preempts running requests
+all together, so the selective rule recomputes all of them when one is stale; it still skips the updates at which
+none is.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from typing import Any
 import torch
 
 from pipelinerl_fsdp.inference.busy import BusyClock
-from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request
+from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request, stale_kv
 from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement
 from pipelinerl_fsdp.inference.vllm_load import resolve_weight_load
 from pipelinerl_fsdp.models import ModelArgs, Transformer, read_model_args
@@ -301,10 +306,12 @@ class VLLMEngine(Engine):
             self.busy.leave()
             self._active.pop(rid, None)
 
-    async def _update(self, version: int, recompute: bool, staged: bool = False) -> None:
-        """Pause, load the update (received now, or `staged` earlier) in the workers, resume."""
+    async def _update(self, version: int, kv_max_age: int, staged: bool = False) -> int:
+        """Pause, load the update (received now, or `staged` earlier) in the workers, recompute stale KV caches,
+        resume. Returns the number of sequences whose cache was recomputed."""
         # Straight to the core: AsyncLLM.pause_generation adds a fixed 20 ms sleep for output ordering we don't need.
-        await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=recompute)
+        await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        recomputed = 0
         try:
             rpc = (
                 self.llm.collective_rpc("load_received_weights")
@@ -312,12 +319,23 @@ class VLLMEngine(Engine):
                 else self.llm.collective_rpc("receive_weight_update", args=(True, version))
             )
             counts = (await rpc)[0]
+            by_id = {internal.rsplit("-", 1)[0]: n for internal, n in counts.items()}  # internal: "<ours>-<hex>"
+            held = [a.request for rid, a in self._active.items() if rid in by_id]
+            for r in held:
+                if r.kv_version < 0:  # prefilled since the last update: by the weights before this one
+                    r.kv_version = self.version
+            if any(stale_kv([r.kv_version for r in held], version, kv_max_age)):
+                # preempts every running request; they are prefilled again under the new weights on resume
+                await self.llm.reset_prefix_cache(reset_running_requests=True)
+                for r in held:
+                    r.kv_version = version
+                recomputed = len(held)
         finally:
             await self.llm.resume_generation()
-        by_id = {internal.rsplit("-", 1)[0]: n for internal, n in counts.items()}  # internal ids: "<ours>-<hex>"
         for rid, active in self._active.items():
             active.segments.append((by_id.get(rid, 0), version))
         self.version = version
+        return recomputed
 
     # -- caller side --------------------------------------------------------------------------------------------
     def join_weight_group(
@@ -397,11 +415,11 @@ class VLLMEngine(Engine):
         busy, seq_s = self.busy.read()
         return self.generated_tokens, busy, seq_s
 
-    def load_update(self, receiver: WeightReceiver, version: int, recompute: bool) -> None:
+    def load_update(self, receiver: WeightReceiver, version: int, kv_max_age: int) -> int:
         """The workers receive the buckets and load them (`receiver` only carried the header)."""
         self.busy.pause()
         try:
-            self._call(self._update(version, recompute), f"the update to version {version}")
+            return self._call(self._update(version, kv_max_age), f"the update to version {version}")
         finally:
             self.busy.resume()
 
@@ -424,7 +442,8 @@ class VLLMEngine(Engine):
     def apply_staged(self, version: int) -> None:
         self.busy.pause()
         try:
-            self._call(self._update(version, False, staged=True), f"loading the staged version {version}")
+            # async mode loads only when no request is in flight: no cache to keep or recompute
+            self._call(self._update(version, -1, staged=True), f"loading the staged version {version}")
         finally:
             self.busy.resume()
 

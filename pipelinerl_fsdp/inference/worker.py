@@ -81,6 +81,8 @@ class InferenceWorker:
             "seq_s": 0.0,
             # the loop's time waiting for room in the send queue (back-pressure from the trainer)
             "send_blocked_s": 0.0,
+            # sequences in flight whose KV cache an update recomputed (inference.kv_max_age)
+            "kv_recomputed": 0.0,
         }
         # prompts over task.max_prompt_tokens (tasks that have the key) are skipped and counted
         self._max_prompt = getattr(cfg.task, "max_prompt_tokens", 0)
@@ -114,7 +116,7 @@ class InferenceWorker:
             return
         maybe_fail(self.world.rank, version, "update")
         t0 = time.perf_counter()  # the pause: from the header on (not the wait for it)
-        self.engine.load_update(self.receiver, version, self.cfg.inference.recompute_kv_on_update)
+        self.stats["kv_recomputed"] += self.engine.load_update(self.receiver, version, self.cfg.inference.kv_max_age)
         self.receiver.post()
         self._add_pause((time.perf_counter() - t0) * 1000, loaded=True)
         self._maybe_evaluate(version)

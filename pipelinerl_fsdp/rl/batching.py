@@ -26,17 +26,27 @@ def split_balanced(samples: list[Sample], n: int) -> list[list[Sample]]:
     return parts
 
 
+def after_update_marks(versions: list[int]) -> list[float]:
+    """Per completion token, 1.0 where it was sampled after an in-flight update within its sequence (a newer version
+    than the sequence's first token's): the tokens whose context's KV cache older weights computed, unless the
+    engine recomputed it (`inference.kv_max_age`)."""
+    first = versions[0] if versions else 0
+    return [float(v > first) for v in versions]
+
+
 def rl_micro_batches(
     samples: list[Sample], budget: int, device: torch.device, version: int | None = None
 ) -> list[dict[str, torch.Tensor]]:
     """Pack samples (prompt + completion) into micro-batches; per-token fields aligned with the targets. With the
     trained `version`, field `current` marks the completion tokens that version sampled (lag 0: where engine and
-    trainer log-probs should agree, see `rl.loss.policy_loss`). Field `weight` is each token's sample's loss weight
+    trainer log-probs should agree, see `rl.loss.policy_loss`) and `after_update` those sampled after an in-flight
+    update within their sequence (`after_update_marks`). Field `weight` is each token's sample's loss weight
     (`Sample.loss_weight`, rl/normalization.py)."""
     seqs: list[list[int]] = []
     fields: dict[str, list[list[float]]] = {"mask": [], "behaviour_logp": [], "advantage": [], "weight": []}
     if version is not None:
         fields["current"] = []
+        fields["after_update"] = []
     for s in samples:
         seqs.append(s.prompt_ids + s.completion_ids)
         n_prompt_targets = len(s.prompt_ids) - 1
@@ -47,6 +57,7 @@ def rl_micro_batches(
         fields["weight"].append([0.0] * n_prompt_targets + [s.loss_weight] * n)
         if version is not None:
             fields["current"].append([0.0] * n_prompt_targets + [float(v == version) for v in s.versions])
+            fields["after_update"].append([0.0] * n_prompt_targets + after_update_marks(s.versions))
     bins = pack_into_bins([len(s) for s in seqs], budget)
     return [
         collate_packed([seqs[i] for i in b], {k: [v[i] for i in b] for k, v in fields.items()}, device) for b in bins

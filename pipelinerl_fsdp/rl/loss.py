@@ -40,6 +40,7 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     current: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    after_update: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch: sum_t weight_t * keep_t * L_t (+ kl_coef * sum_t weight_t * k3_t), L_t the
     objective's per-token loss (`cfg.name`), weight_t its sample's normalisation weight (`loss.normalize`), keep_t
@@ -54,7 +55,9 @@ def policy_loss(
     max_log_ratio (a max, not a sum). `current` (1 on tokens sampled by the weights being trained, lag 0): there
     rho differs from 1 only by the engine/trainer mismatch (kernels, dtype, a wrong tokenizer or template); summed
     as lag0_tokens, lag0_k3 (k3 estimate of KL(engine || trainer): rho - 1 - log rho, on the engine's samples)
-    and lag0_abs_log_ratio.
+    and lag0_abs_log_ratio; of those, the tokens `after_update` marks (sampled after an in-flight update within
+    their sequence: over a KV cache older weights computed, unless the engine recomputed it) as
+    lag0_after_update_tokens and lag0_after_update_k3.
     """
     objective = OBJECTIVES.get(cfg.name)
     if objective is None:
@@ -76,6 +79,7 @@ def policy_loss(
         loss = loss + kl_coef * (kl * mask * weight).sum()
         kl_sum = float((kl.detach() * mask).sum())
     rho = torch.exp(log_ratio.detach())
+    lag0 = mask * current if current is not None else torch.zeros_like(mask)
     w, raw = out.weights * counted, rho * mask
     has_tokens = t.seq_sum(torch.ones_like(mask)) > 0
     stats = {
@@ -93,8 +97,10 @@ def policy_loss(
         "max_log_ratio": float(log_ratio.detach().masked_fill(mask == 0, float("-inf")).max())
         if mask.any()
         else float("-inf"),
-        **lag0_mismatch_sums(log_ratio.detach(), mask * current if current is not None else torch.zeros_like(mask)),
+        **lag0_mismatch_sums(log_ratio.detach(), lag0),
     }
+    late = lag0_mismatch_sums(log_ratio.detach(), lag0 * after_update if after_update is not None else 0 * mask)
+    stats["lag0_after_update_tokens"], stats["lag0_after_update_k3"] = late["lag0_tokens"], late["lag0_k3"]
     return loss, stats
 
 
@@ -117,6 +123,7 @@ def micro_batch_loss(
     mb, mask = micro_batch, micro_batch["mask"][0]
     ref = mb["ref_logp"][0] if "ref_logp" in mb else None
     current = mb["current"][0] if "current" in mb else None
+    after_update = mb["after_update"][0] if "after_update" in mb else None
     loss, stats = policy_loss(
         logp[0],
         mb["behaviour_logp"][0],
@@ -128,6 +135,7 @@ def micro_batch_loss(
         ref,
         current,
         kl_coef,
+        after_update,
     )
     stats["entropy"] = float((entropy[0] * mask).sum())
     return loss, stats

@@ -23,6 +23,8 @@ LOSS_SUMS = (
     "lag0_tokens",
     "lag0_k3",
     "lag0_abs_log_ratio",
+    "lag0_after_update_tokens",
+    "lag0_after_update_k3",
     "masked",
     "mis_tokens",
     "mis_seqs",
@@ -41,10 +43,11 @@ class EngineCounters:
     elapsed_s: float = 0.0
     seq_s: float = 0.0  # sequences in flight x busy seconds (Engine.stats)
     send_blocked_s: float = 0.0  # the inference loops' time waiting for room in their send queues
+    kv_recomputed: float = 0.0  # sequences whose KV cache an update recomputed (inference.kv_max_age)
 
     @classmethod
     def total(cls, per_engine: dict[int, dict[str, float]]) -> EngineCounters:
-        keys = ("gen_tokens", "busy_s", "elapsed_s", "seq_s", "send_blocked_s")
+        keys = ("gen_tokens", "busy_s", "elapsed_s", "seq_s", "send_blocked_s", "kv_recomputed")
         return cls(*(sum(st.get(k, 0.0) for st in per_engine.values()) for k in keys))
 
 
@@ -90,11 +93,19 @@ def outcome_fractions(samples: list[Sample]) -> dict[str, float]:
 
 
 def mismatch(sums: dict[str, float]) -> dict[str, float]:
-    """`mismatch_kl` and `mismatch_abs_log_ratio`: means over the step's lag-0 tokens (`rl.loss.policy_loss`)."""
-    n = sums.get("lag0_tokens", 0.0)
-    if n <= 0:
-        return {"mismatch_kl": float("nan"), "mismatch_abs_log_ratio": float("nan")}
-    return {"mismatch_kl": sums["lag0_k3"] / n, "mismatch_abs_log_ratio": sums["lag0_abs_log_ratio"] / n}
+    """`mismatch_kl` and `mismatch_abs_log_ratio`: means over the step's lag-0 tokens (`rl.loss.policy_loss`);
+    `mismatch_kl_after_update`: the k3 mean over those of them sampled after an in-flight update within their
+    sequence (the stale-KV effect: old-weight KV, new weights), `lag0_after_update_frac` their share. NaN where a
+    step has no such token."""
+    nan = float("nan")
+    n, late = sums.get("lag0_tokens", 0.0), sums.get("lag0_after_update_tokens", 0.0)
+    out = {
+        "mismatch_kl": sums["lag0_k3"] / n if n > 0 else nan,
+        "mismatch_abs_log_ratio": sums["lag0_abs_log_ratio"] / n if n > 0 else nan,
+        "mismatch_kl_after_update": sums["lag0_after_update_k3"] / late if late > 0 else nan,
+        "lag0_after_update_frac": late / n if n > 0 else nan,
+    }
+    return out
 
 
 def mismatch_error(sums: dict[str, float], bound: float) -> str | None:
@@ -169,6 +180,8 @@ def step_metrics(
         "trainer_push_blocked_frac": times.push_blocked_s / (times.end - times.start),
         "inference_busy_frac": busy / engine_elapsed,
         "inference_send_blocked_frac": (engines.send_blocked_s - engines_before.send_blocked_s) / engine_elapsed,
+        # sequences in flight whose KV cache the engines recomputed at this step's updates (inference.kv_max_age)
+        "kv_recomputed_seqs": engines.kv_recomputed - engines_before.kv_recomputed,
         "wait_for_data_s": times.data - times.start,
         "train_step_s": times.end - times.data,
     }

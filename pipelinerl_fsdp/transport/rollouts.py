@@ -34,6 +34,7 @@ ENGINE_STATS = (
     "skipped_prompts",
     "seq_s",
     "send_blocked_s",
+    "kv_recomputed",
 )
 
 

@@ -3,12 +3,15 @@ the first trainer rank (WeightSender, buckets over the store-built group), rank 
 each update while requests are being
 generated (once one of them has LANDING tokens).
 
-Phase 1 (keep KV): engine starts with `old`, the update carries `new` (version 1). Phase 2 (recompute): requests
-start under `new`, the update carries `old` again (version 2) with `recompute=True`. For every request the
-versions the engine reports must split the tokens exactly where the weights changed: log-probs before the split
-match the old weights; after it they match "old-weight KV + new weights" (phase 1) or a full recompute under the
-new weights (phase 2). A split off by one token would mismatch, and so would weights loaded wrong (a fused q/k/v
-slice in the wrong place, a CPU linear still computing with its old packed copy). Prints VLLM_JOB_OK on success.
+Phase 1 (keep KV, `kv_max_age = -1`): engine starts with `old`, the update carries `new` (version 1). Phase 2
+(recompute at every update, `kv_max_age = 0`): requests start under `new`, the update carries `old` again (version
+2). Phase 3 (`kv_max_age = 1`): requests start under `old` (version 2), then two updates: version 3 (`third`), whose
+caches are one version behind and kept, and version 4 (`new`), at which they are two behind and recomputed. For
+every request the versions the engine reports must split the tokens exactly where the weights changed: log-probs
+before the split match the old weights; after it they match "old-weight KV + new weights" (kept) or a full
+recompute under the new weights. A split off by one token would mismatch, and so would weights loaded wrong (a
+fused q/k/v slice in the wrong place, a CPU linear still computing with its old packed copy), or a cache kept where
+it should have been recomputed. Prints VLLM_JOB_OK on success.
 
 Run: torchrun --nproc-per-node 2 tests/dist/vllm_job_update.py WORK_DIR [LOAD]   (LOAD: inference.vllm_weight_load)
 """
@@ -50,7 +53,7 @@ def main() -> None:
     world = init_world(cfg)
     tok = build_char_tokenizer(ALPHABET)
     args = flavour_args("debug", vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    old, new = build_model(args, seed=1).eval(), build_model(args, seed=2).eval()
+    old, new, third = (build_model(args, seed=s).eval() for s in (1, 2, 3))
     if world.rank == 0:
         save_hf_folder(work / "old", args, old.state_dict())
         tok.save_pretrained(str(work / "old"))
@@ -63,7 +66,7 @@ def main() -> None:
         sender = WeightSender(sender_model, world.weight_group, 0, True, torch.float32, torch.device("cpu"),
                               bucket, group)
         assert len(sender.buckets) > 1
-        for version, weights in ((1, new), (2, old)):
+        for version, weights in ((1, new), (2, old), (3, third), (4, new)):
             sender_model.load_state_dict(weights.state_dict())
             # the engine starts the phase once this header is there; the buckets go when it loads the update
             sender.push(version)
@@ -76,53 +79,79 @@ def main() -> None:
                         weight_load=load)
     receiver = WeightReceiver(layout, world.weight_group, 0, torch.float32, torch.device("cpu"), bucket)
     engine.join_weight_group(*store_address(), 1, 2, "gloo", 120, [(n, list(s)) for n, s in layout], "float32", bucket)
-    models = {0: old, 1: new, 2: old}
+    models = {0: old, 1: new, 2: old, 3: third, 4: new}
     engine.add(Request(0, PROMPTS[0], 8))  # warm-up: the first engine steps are slow (kernel set-up)
     while not engine.step(timeout=0.1):
         pass
-    for phase, recompute in ((1, False), (2, True)):
+    # phase, the versions its updates carry, inference.kv_max_age, and whether each update recomputes the caches
+    phases = ((1, (1,), -1, (False,)), (2, (2,), 0, (True,)), (3, (3, 4), 1, (False, True)))
+    for phase, versions, max_age, expect_recomputed in phases:
         reqs = [Request(10 * phase + i, p, MAX_TOKENS) for i, p in enumerate(PROMPTS)]
         while not receiver.pending():  # the phase starts once the update's header is here: the trainer rank's
             engine.step(timeout=0.002)  # timing plays no part
         for r in reqs:
             engine.add(r)
         done: list[Request] = []
-        updated = False
+        recomputed: list[int] = []
         while len(done) < len(reqs):
-            # taken once a request has LANDING tokens: by count, not by time, so a slow machine cannot make it
-            # miss every sequence (only a stall of ~1 s between this check and vLLM's pause could)
-            if not updated and max(engine.tokens_in_flight(), default=0) >= LANDING and receiver.pending():
-                kind, version = receiver.wait_header()
-                assert kind == UPDATE and version == phase, (kind, version)
-                engine.load_update(receiver, version, recompute)
-                receiver.post()
-                updated = True
+            # taken once a request has LANDING tokens (the next update LANDING more): by count, not by time, so a
+            # slow machine cannot make it miss every sequence (only a stall of ~1 s before vLLM's pause could)
+            landing = LANDING * (len(recomputed) + 1)
+            if len(recomputed) < len(versions) and max(engine.tokens_in_flight(), default=0) >= landing:
+                if receiver.pending():
+                    kind, version = receiver.wait_header()
+                    assert kind == UPDATE and version == versions[len(recomputed)], (kind, version)
+                    recomputed.append(engine.load_update(receiver, version, max_age))
+                    receiver.post()
             done += engine.step(timeout=0.002)
-        assert updated, "the update arrived after every request had finished"
+        assert len(recomputed) == len(versions), "an update arrived after every request had finished"
+        first = versions[0] - 1
         split, min_gap = 0, float("inf")
         worst_before = worst_after = 0.0
-        before_model, after_model = models[phase - 1], models[phase]
+        held = [0] * len(versions)  # requests with tokens before each update: in vLLM's worker then
         for r in reqs:
             assert len(r.tokens) == MAX_TOKENS, len(r.tokens)
-            m = r.versions.count(phase - 1)
-            assert r.versions == [phase - 1] * m + [phase] * (MAX_TOKENS - m), r.versions
+            bounds = [r.versions.count(first)]
+            for v in versions[:-1]:
+                bounds.append(bounds[-1] + r.versions.count(v))
+            held = [h + (b > 0) for h, b in zip(held, bounds)]
+            m = bounds[0]
+            expected = [first] * m
+            for v, lo, hi in zip(versions, bounds, bounds[1:] + [MAX_TOKENS]):
+                expected += [v] * (hi - lo)
+            assert r.versions == expected, r.versions
             split += 0 < m < MAX_TOKENS
             lp = torch.tensor(r.logprobs)
+            before_model = models[first]
             worst_before = max(worst_before, (lp[:m] - full_logprobs(before_model, r.prompt_ids, r.tokens, T)[:m])
                                .abs().max().item() if m else 0.0)
-            full = full_logprobs(after_model, r.prompt_ids, r.tokens, T)[m:]
-            kept = logprobs_old_kv_then_new(before_model, after_model, r.prompt_ids, r.tokens, m, T) if m else full
             # m == 0: never scheduled before the update, so prefilled under the new weights
-            ref, other = (full, kept) if recompute or m == 0 else (kept, full)
-            if 0 < m < MAX_TOKENS:
-                min_gap = min(min_gap, (lp[m:] - other).abs().max().item())
-            worst_after = max(worst_after, (lp[m:] - ref).abs().max().item() if m < MAX_TOKENS else 0.0)
-        print(f"phase {phase} recompute={recompute}: splits {[r.versions.count(phase - 1) for r in reqs]} "
-              f"before={worst_before:.3g} after={worst_after:.3g} gap_to_the_other_mode={min_gap:.3g}", flush=True)
+            for i, (v, lo) in enumerate(zip(versions, bounds)):
+                hi = bounds[i + 1] if i + 1 < len(bounds) else MAX_TOKENS
+                if lo == hi:
+                    continue
+                toks = r.tokens[:hi]
+                full = full_logprobs(models[v], r.prompt_ids, toks, T)[lo:]
+                if recomputed[i] or m == 0:
+                    ref, other = full, None
+                elif i == 0:  # the cache of the first segment kept: old-weight KV + these weights
+                    ref = logprobs_old_kv_then_new(before_model, models[v], r.prompt_ids, toks, lo, T)
+                    other = full
+                else:
+                    continue  # a cache of two older versions kept: checked through the next segment's recompute
+                if other is not None and 0 < lo < MAX_TOKENS:
+                    min_gap = min(min_gap, (lp[lo:hi] - other).abs().max().item())
+                worst_after = max(worst_after, (lp[lo:hi] - ref).abs().max().item())
+        # vLLM recomputes every held request's cache, or none
+        assert recomputed == [h if e else 0 for h, e in zip(held, expect_recomputed)], (recomputed, held)
+        print(f"phase {phase} kv_max_age={max_age} recomputed={recomputed}: splits "
+              f"{[r.versions.count(first) for r in reqs]} before={worst_before:.3g} after={worst_after:.3g} "
+              f"gap_to_the_other_mode={min_gap:.3g}", flush=True)
         assert split >= 1, "no request was in flight during the update"
         assert worst_before < 1e-4 and worst_after < 1e-4, "log-probs differ from the reference"
-        assert min_gap > 1e-3, "keeping and recomputing the KV cache gave the same log-probs: the test proves nothing"
-    assert engine.stats()[0] == 8 + 2 * len(PROMPTS) * MAX_TOKENS
+        if max_age < 0:
+            assert min_gap > 1e-3, "keeping and recomputing the KV cache gave the same log-probs: proves nothing"
+    assert engine.stats()[0] == 8 + len(phases) * len(PROMPTS) * MAX_TOKENS
     dist.barrier()
     kind, _ = receiver.wait_header()
     assert kind == STOP

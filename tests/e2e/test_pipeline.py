@@ -30,6 +30,8 @@ METRIC_KEYS = {
     "ess",
     "lag_mean",
     "lag_max",
+    "kv_recomputed_seqs",
+    "mismatch_kl_after_update",
     "entropy",
     "grad_norm",
     "lr",
@@ -152,13 +154,14 @@ def test_default_pipeline_learns(default_warmstart, tmp_path, engine):
     "nproc, n_inf, extra",
     [
         (2, 1, (REF,)),
-        # two trainer ranks taking each batch in 4 parts (rl.waves): every part's samples trained, logged, dumped
-        (3, 1, (REF, "--inference.recompute_kv_on_update=true", "--rl.waves=4")),
+        # two trainer ranks taking each batch in 4 parts (rl.waves): every part's samples trained, logged, dumped;
+        # KV caches recomputed once more than one version old
+        (3, 1, (REF, "--inference.kv_max_age=1", "--rl.waves=4")),
         # two trainers, two vLLM engines that recompute their KV cache on every update, zero-advantage groups dropped
         pytest.param(
             4,
             2,
-            ("--inference.engine=vllm", "--inference.recompute_kv_on_update=true", "--rl.filter_zero_advantage=true"),
+            ("--inference.engine=vllm", "--inference.kv_max_age=0", "--rl.filter_zero_advantage=true"),
             marks=VLLM.marks,
         ),
     ],
@@ -201,6 +204,14 @@ def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc,
     assert lag0[0] is recs[0] and all(x["mismatch_abs_log_ratio"] < 1e-3 and x["mismatch_kl"] < 1e-5 for x in lag0)
     assert max(x["lag_max"] for x in recs) <= bound and recs[-1]["dropped_stale"] == 0
     assert max(x["lag_max"] for x in recs) >= 1  # engines really generate while the trainer trains
+    recomputed = sum(x["kv_recomputed_seqs"] for x in recs)
+    if "--inference.kv_max_age=0" in extra:
+        # every update recomputed the caches in flight: the tokens sampled after it, over the recomputed cache, agree
+        # with the trainer's full forward as closely as any lag-0 token (kept, they would carry the old weights' KV)
+        late = [x["mismatch_kl_after_update"] for x in recs if math.isfinite(x["mismatch_kl_after_update"])]
+        assert recomputed > 0 and late and max(late) < 1e-5, (recomputed, late)
+    elif not any(a.startswith("--inference.kv_max_age") for a in extra):
+        assert recomputed == 0  # the default keeps the cache
     assert all(x["gen_tokens_per_s"] > 0 and x["train_tokens_per_s"] > 0 for x in recs[1:])
     assert all(x["inference_busy_frac"] > 0 for x in recs[1:])
     assert any(x["update_pause_ms"] > 0 for x in recs) and recs[-1]["broadcast_mb_per_s"] > 0

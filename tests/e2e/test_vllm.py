@@ -40,12 +40,13 @@ def test_vllm_logprobs_equal_our_decoder(default_warmstart):
 
 @pytest.mark.parametrize("load", ["reload", "inplace", "unpacked"])
 def test_vllm_in_the_job_takes_updates_with_exact_versions(tmp_path, load):
-    """AsyncLLM in its own process, buckets received by vLLM's worker over the store group, keep-KV and recompute;
-    every way of loading an update (`inference.vllm_weight_load`)."""
+    """AsyncLLM in its own process, buckets received by vLLM's worker over the store group, the KV cache kept,
+    recomputed at every update and recomputed once two versions old (`inference.kv_max_age` -1, 0, 1); every way of
+    loading an update (`inference.vllm_weight_load`)."""
     r = torchrun_script(2, ROOT / "tests" / "dist" / "vllm_job_update.py", str(tmp_path), load, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "VLLM_JOB_OK" in r.stdout
     splits = re.findall(r"splits \[([\d, ]+)\]", r.stdout)
-    assert len(splits) == 2
+    assert len(splits) == 3
     for s in splits:  # the updates landed mid-sequence
         assert any(0 < int(m) < 400 for m in s.split(","))  # 400: the script's MAX_TOKENS

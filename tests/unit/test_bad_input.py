@@ -22,7 +22,7 @@ from pipelinerl_fsdp.tokenizer import load_tokenizer
 
 # numeric keys where every value of the type is meaningful
 ANY_VALUE = {("job", "seed")}
-CANDIDATES = (-1, 0, -0.5, 1.5, 2, 0.5)
+CANDIDATES = (-1, 0, -0.5, 1.5, 2, 0.5, -2)
 
 
 def numeric_keys() -> list[tuple[str, str]]:

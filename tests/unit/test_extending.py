@@ -62,7 +62,7 @@ def test_the_docs_engine_example_is_selected_by_name_and_generates(tmp_path, mon
                 for name, p in engine.params.items():
                     p.copy_(new.state_dict()[name])
 
-    engine.load_update(Receiver(), 1, False)
+    assert engine.load_update(Receiver(), 1, 0) == 1  # kv_max_age 0: the request in flight is recomputed
     while engine.num_unfinished():
         engine.step()
     assert engine.updates == 1 and req.versions == [0, 0, 0, 1, 1, 1]

@@ -59,15 +59,16 @@ class FakeEngine:
         self.tokens += sum(len(r.tokens) for r in done)
         return done
 
-    def load_update(self, receiver: FakeReceiver, version: int, recompute: bool) -> None:
+    def load_update(self, receiver: FakeReceiver, version: int, kv_max_age: int) -> int:
         self.loads.append((version, self.num_unfinished()))
         self.version = version
+        return 0
 
     def stage_update(self, receiver: FakeReceiver) -> None:
         self.staged.append(receiver.last_version)
 
     def apply_staged(self, version: int) -> None:
-        self.load_update(None, version, False)  # type: ignore[arg-type]
+        self.load_update(None, version, -1)  # type: ignore[arg-type]
 
     def stats(self) -> tuple[int, float, float]:
         return self.tokens, 0.0, 0.0

@@ -162,3 +162,10 @@ def test_the_mismatch_check_fails_only_beyond_its_bound_and_names_the_numbers():
     msg = mismatch_error(off, 0.1)
     assert msg is not None and "100 tokens" in msg and "by 0.5 on average" in msg and "0.12" in msg
     assert mismatch_error(dict(off, lag0_tokens=0.0), 0.1) is None  # nothing to compare yet: checked next step
+
+
+def test_kv_recomputed_seqs_is_the_step_delta_of_the_engines_counters():
+    before = EngineCounters(kv_recomputed=7.0)
+    now = EngineCounters.total({0: {"kv_recomputed": 9.0}, 1: {"kv_recomputed": 3.0}})
+    m = step_metrics([s([0], 1.0)], 0, SUMS, now, before, StepTimes(0, 1, 2, 0))
+    assert m["kv_recomputed_seqs"] == 5.0  # 12 recomputed in all so far, 7 of them before this step

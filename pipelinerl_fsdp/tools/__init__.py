@@ -1,0 +1,1 @@
+"""Tools that environments let the model call, run where they cannot hurt the run (sandbox.py)."""
