@@ -6,10 +6,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The version of a token the environment wrote into a rollout (a tool's result, feedback, the next user turn) rather
+# than a policy sampled: it is context for the model's next turn, left out of the loss, the importance weights, the
+# ESS and every lag (its log-prob is not a behaviour log-prob).
+ENV_VERSION = -1
+
+
+def model_versions(versions: list[int]) -> list[int]:
+    """The versions of the tokens a policy sampled, in order (environment tokens left out)."""
+    return [v for v in versions if v != ENV_VERSION]
+
 
 @dataclass
 class Sample:
-    """One attempt at one prompt, with everything the trainer needs."""
+    """One attempt at one prompt, with everything the trainer needs. In a multi-turn rollout `completion_ids` holds
+    every turn after the prompt, the model's tokens and the environment's (version `ENV_VERSION`) interleaved."""
 
     group_id: int
     prompt_ids: list[int]
@@ -22,6 +33,11 @@ class Sample:
     outcome: int = 0  # rewards.outcomes.OUTCOMES index: what the reward function concluded
     # weight of each of its tokens in the step's loss (rl/normalization.py), set by the first trainer rank
     loss_weight: float = 0.0
+
+    @property
+    def model_tokens(self) -> int:
+        """Completion tokens a policy sampled (those the loss counts)."""
+        return sum(1 for v in self.versions if v != ENV_VERSION)
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pipelinerl_fsdp.rl.packing import collate_packed, pack_into_bins
-from pipelinerl_fsdp.samples import Sample
+from pipelinerl_fsdp.samples import ENV_VERSION, Sample
 
 
 def sample_tokens(s: Sample) -> int:
@@ -28,19 +28,20 @@ def split_balanced(samples: list[Sample], n: int) -> list[list[Sample]]:
 
 def after_update_marks(versions: list[int]) -> list[float]:
     """Per completion token, 1.0 where it was sampled after an in-flight update within its sequence (a newer version
-    than the sequence's first token's): the tokens whose context's KV cache older weights computed, unless the
-    engine recomputed it (`inference.kv_max_age`)."""
-    first = versions[0] if versions else 0
-    return [float(v > first) for v in versions]
+    than the sequence's first sampled token's): the tokens whose context's KV cache older weights computed, unless
+    the engine recomputed it (`inference.kv_max_age`). Environment tokens are never marked."""
+    first = next((v for v in versions if v != ENV_VERSION), 0)
+    return [float(v != ENV_VERSION and v > first) for v in versions]
 
 
 def rl_micro_batches(
     samples: list[Sample], budget: int, device: torch.device, version: int | None = None
 ) -> list[dict[str, torch.Tensor]]:
-    """Pack samples (prompt + completion) into micro-batches; per-token fields aligned with the targets. With the
-    trained `version`, field `current` marks the completion tokens that version sampled (lag 0: where engine and
-    trainer log-probs should agree, see `rl.loss.policy_loss`) and `after_update` those sampled after an in-flight
-    update within their sequence (`after_update_marks`). Field `weight` is each token's sample's loss weight
+    """Pack samples (prompt + completion) into micro-batches; per-token fields aligned with the targets. `mask` is 1
+    on the completion tokens a policy sampled (0 on a multi-turn rollout's environment tokens). With the trained
+    `version`, field `current` marks the completion tokens that version sampled (lag 0: where engine and trainer
+    log-probs should agree, see `rl.loss.policy_loss`) and `after_update` those sampled after an in-flight update
+    within their sequence (`after_update_marks`). Field `weight` is each token's sample's loss weight
     (`Sample.loss_weight`, rl/normalization.py)."""
     seqs: list[list[int]] = []
     fields: dict[str, list[list[float]]] = {"mask": [], "behaviour_logp": [], "advantage": [], "weight": []}
@@ -51,7 +52,8 @@ def rl_micro_batches(
         seqs.append(s.prompt_ids + s.completion_ids)
         n_prompt_targets = len(s.prompt_ids) - 1
         n = len(s.completion_ids)
-        fields["mask"].append([0.0] * n_prompt_targets + [1.0] * n)
+        # the tokens a policy sampled; environment tokens (multi-turn) are context only
+        fields["mask"].append([0.0] * n_prompt_targets + [float(v != ENV_VERSION) for v in s.versions])
         fields["behaviour_logp"].append([0.0] * n_prompt_targets + list(s.logprobs))
         fields["advantage"].append([0.0] * n_prompt_targets + [s.advantage] * n)
         fields["weight"].append([0.0] * n_prompt_targets + [s.loss_weight] * n)

@@ -3,7 +3,7 @@
 Every generated token of sample i enters the step's loss as w_i * l_t; the weights are set once the step's batch
 (or the part of it a wave brings, `rl.waves`) is in hand, before it is split over trainer ranks, so the loss is the
 same whatever the split, the packing or the number of ranks. B is the step's samples (`rl.batch_size`), n_i the
-completion tokens of sample i.
+completion tokens of sample i that a policy sampled (a multi-turn rollout's environment tokens are not counted).
 
 - sequences:     w_i = 1 / B                       (the PipelineRL paper: token sums averaged over sequences)
 - tokens:        w_i = 1 / sum_j n_j               (DAPO: a mean over the step's tokens; needs the whole step)
@@ -60,7 +60,7 @@ def assign_loss_weights(
     `samples`: whole groups, the step's batch or one wave of it; `batch_size`, `attempts`: the step's."""
     counted = [s.finished or not cfg.overlong_filter for s in samples]
     weights = sample_weights(
-        [len(s.completion_ids) for s in samples],
+        [s.model_tokens for s in samples],
         [s.group_id for s in samples],
         counted,
         cfg.normalize,

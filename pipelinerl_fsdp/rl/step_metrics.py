@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from pipelinerl_fsdp.rewards.outcomes import OUTCOMES
 from pipelinerl_fsdp.rl.ess import ess_from_sums
-from pipelinerl_fsdp.samples import Sample
+from pipelinerl_fsdp.samples import Sample, model_versions
 
 # Sums the loss reports per micro-batch, reduced over the trainer ranks (see rl.loss.policy_loss).
 LOSS_SUMS = (
@@ -74,8 +74,9 @@ class StepTimes:
 
 
 def token_lags(samples: list[Sample], trained_version: int) -> list[int]:
-    """Per completion token: versions between the weights trained (`trained_version`) and those that sampled it."""
-    return [trained_version - v for s in samples for v in s.versions]
+    """Per sampled completion token (environment tokens have no version): versions between the weights trained
+    (`trained_version`) and those that sampled it."""
+    return [trained_version - v for s in samples for v in model_versions(s.versions)]
 
 
 def zero_advantage_group_frac(samples: list[Sample]) -> float:
@@ -153,7 +154,7 @@ def step_metrics(
         "lag_max": max(lags, default=0),
         "current_version_frac": sum(1 for x in lags if x == 0) / max(len(lags), 1),
         # sequences whose tokens come from more than one policy version (in-flight updates)
-        "mixed_version_frac": sum(1 for s in samples if len(set(s.versions)) > 1) / len(samples),
+        "mixed_version_frac": sum(1 for s in samples if len(set(model_versions(s.versions))) > 1) / len(samples),
         "entropy": sums["entropy"] / tokens,
         "is_clipped_frac": sums["clipped"] / tokens,
         # engine/trainer mismatch masking (loss.mask): tokens it left out of the loss, and the tokens / sequences

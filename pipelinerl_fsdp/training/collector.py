@@ -21,7 +21,7 @@ from pipelinerl_fsdp.config import RLConfig
 from pipelinerl_fsdp.job import stopping
 from pipelinerl_fsdp.job.stopping import StopRequested
 from pipelinerl_fsdp.rl.advantages import is_zero_advantage_group
-from pipelinerl_fsdp.samples import EvalReport, Sample
+from pipelinerl_fsdp.samples import EvalReport, Sample, model_versions
 
 Group = list[Sample]
 
@@ -37,8 +37,8 @@ class GroupSource(Protocol):
 
 
 def group_lag(group: Group, version: int) -> int:
-    """Versions between the trainer's `version` and the group's oldest token."""
-    return version - min((v for s in group for v in s.versions), default=version)
+    """Versions between the trainer's `version` and the group's oldest sampled token."""
+    return version - min((v for s in group for v in model_versions(s.versions)), default=version)
 
 
 def split_stale(groups: list[Group], version: int, max_lag: int) -> tuple[list[Group], list[Group]]:

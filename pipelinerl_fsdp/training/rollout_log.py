@@ -12,7 +12,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp.rewards.outcomes import OUTCOMES
-from pipelinerl_fsdp.samples import Sample
+from pipelinerl_fsdp.samples import Sample, model_versions
 from pipelinerl_fsdp.tasks import Task
 
 
@@ -42,7 +42,7 @@ def rollout_record(
         "finished": s.finished,
         "tokens": len(s.completion_ids),
         "versions": version_ranges(s.versions),
-        "lag_max": trained_version - min(s.versions, default=trained_version),
+        "lag_max": trained_version - min(model_versions(s.versions), default=trained_version),
     }
 
 

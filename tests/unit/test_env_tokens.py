@@ -1,0 +1,83 @@
+"""Multi-turn rollouts: tokens the environment wrote (version ENV_VERSION) are context only. They contribute nothing
+to the loss or its gradient, nor to the importance weights, the ESS, the normalisation, the lags or the
+mismatch metrics; they travel between the roles unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipelinerl_fsdp.config import LossConfig
+from pipelinerl_fsdp.rl.batching import after_update_marks, rl_micro_batches
+from pipelinerl_fsdp.rl.loss import micro_batch_loss
+from pipelinerl_fsdp.rl.normalization import assign_loss_weights
+from pipelinerl_fsdp.rl.objectives import CONFIGS
+from pipelinerl_fsdp.rl.step_metrics import token_lags
+from pipelinerl_fsdp.samples import ENV_VERSION, Sample
+from pipelinerl_fsdp.training.collector import group_lag
+from pipelinerl_fsdp.transport.rollouts import decode_samples, encode_samples
+
+E = ENV_VERSION
+# prompt 3 tokens; model turn (versions 4, 4), environment answer (2 tokens), model turn after an update (5, 5, 5)
+VERSIONS = [4, 4, E, E, 5, 5, 5]
+ENV = [i for i, v in enumerate(VERSIONS) if v == E]
+
+
+def sample(logprobs: list[float], reward: float = 1.0, advantage: float = 0.5) -> Sample:
+    return Sample(0, [1, 2, 3], [4, 5, 6, 7, 8, 9, 10], logprobs, list(VERSIONS), reward, advantage)
+
+
+def loss_and_grad(s: Sample, logp_values: list[float], loss_name: str) -> tuple[float, torch.Tensor]:
+    cfg = LossConfig(name=loss_name)
+    objective_cfg = CONFIGS[loss_name]()
+    assign_loss_weights([s], cfg, batch_size=1, attempts=1, max_new_tokens=16)
+    (mb,) = rl_micro_batches([s], budget=64, device=torch.device("cpu"), version=5)
+    n_prompt_targets = len(s.prompt_ids) - 1
+    logp = torch.zeros(1, mb["mask"].shape[1])
+    logp[0, n_prompt_targets : n_prompt_targets + len(logp_values)] = torch.tensor(logp_values)
+    logp.requires_grad_(True)
+    loss, stats = micro_batch_loss(logp, torch.zeros_like(logp), mb, objective_cfg, 0.0)
+    loss.backward()
+    assert stats["tokens"] == 5 and stats["lag0_tokens"] == 3 and stats["lag0_after_update_tokens"] == 3
+    return loss.item(), logp.grad[0, n_prompt_targets : n_prompt_targets + len(logp_values)]
+
+
+@pytest.mark.parametrize("loss_name", ["reinforce_tis", "ppo", "gspo", "cispo"])
+def test_environment_tokens_contribute_nothing_to_the_loss_or_its_gradient(loss_name):
+    behaviour = [-1.0, -0.5, -7.0, -9.0, -0.8, -1.2, -0.3]
+    # the model's tokens near their behaviour log-probs (inside every objective's clip range: GSPO's is 3e-4 wide)
+    logp = [b + 2e-5 * (i + 1) if v != E else -2.0 for i, (b, v) in enumerate(zip(behaviour, VERSIONS))]
+    loss, grad = loss_and_grad(sample(behaviour), logp, loss_name)
+    assert grad[ENV].abs().max() == 0.0
+    assert grad[[i for i in range(7) if i not in ENV]].abs().min() > 0.0  # the model's tokens do get gradient
+    # whatever the environment tokens' log-probs (trainer's or engine's), the loss is the same
+    other_logp = list(logp)
+    other_behaviour = list(behaviour)
+    for i in ENV:
+        other_logp[i], other_behaviour[i] = 5.0, 0.0
+    loss2, grad2 = loss_and_grad(sample(other_behaviour), other_logp, loss_name)
+    assert loss2 == pytest.approx(loss, rel=1e-6) and torch.allclose(grad, grad2)
+
+
+def test_normalisation_and_lags_count_only_sampled_tokens():
+    s = sample([-1.0] * 7)
+    assert s.model_tokens == 5
+    assign_loss_weights([s], LossConfig(name="reinforce_tis", normalize="sequence_mean"), 1, 1, 16)
+    assert s.loss_weight == pytest.approx(1 / 5)
+    assert token_lags([s], 6) == [2, 2, 1, 1, 1]
+    assert group_lag([s], 6) == 2  # not 7: the environment's "version" -1 is no version
+    assert after_update_marks(VERSIONS) == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert after_update_marks([E, E, 3, 4]) == [0.0, 0.0, 0.0, 1.0]  # the first sampled token sets the start
+    (mb,) = rl_micro_batches([s], 64, torch.device("cpu"), version=5)
+    assert mb["mask"][0, 2:].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert mb["current"][0, 2:].tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def test_environment_tokens_travel_unchanged():
+    s = sample([-1.0, -0.5, 0.0, 0.0, -0.8, -1.2, -0.3])
+    (back,) = decode_samples(1, *encode_samples([s]))
+    assert (
+        back.versions == VERSIONS
+        and back.completion_ids == s.completion_ids
+        and back.logprobs == pytest.approx(s.logprobs)
+    )
