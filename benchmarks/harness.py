@@ -75,6 +75,29 @@ def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> None:
         raise SystemExit(f"run failed ({' '.join(cmd)}); log {log}:\n{tail}")
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on a file-only backend, or None (with a line saying so) when it is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e .[bench]): no plot written", flush=True)
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Grid and legend on every panel that has data, then the figure to `path` (PNG)."""
+    for ax in fig.axes:
+        if ax.has_data():
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def read_metrics(path: Path) -> list[dict]:
     """The records of a job's metrics.jsonl."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from export_eval import Evaluator, crossing
-from harness import ROOT, job_command, run_job, run_logged
+from harness import ROOT, job_command, pyplot, run_job, run_logged, save_figure
 
 from pipelinerl_fsdp.configure import load_config
 
@@ -429,13 +429,8 @@ def table(
 
 def plot(results: dict[str, dict], target: float, path: Path) -> bool:
     """Held-out accuracy (when measured) and sampled reward against time and samples, one curve per seed; ESS."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e .[bench]): no plot written", flush=True)
+    plt = pyplot()
+    if plt is None:
         return False
     has_eval = "eval_curve" in next(iter(results.values()))["seeds"][0]
     panels = (["accuracy"] if has_eval else []) + ["reward_smooth"]
@@ -461,12 +456,7 @@ def plot(results: dict[str, dict], target: float, path: Path) -> bool:
     axes[0][2].set_ylabel("ESS")
     for row in range(1, len(panels)):
         axes[row][2].axis("off")
-    for ax in axes.flat:
-        if ax.has_data():
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     return True
 
 

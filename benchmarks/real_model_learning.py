@@ -35,7 +35,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from export_eval import crossing  # noqa: E402
-from harness import RESULTS, ROOT, markdown_table, read_metrics, report, run_job  # noqa: E402
+from harness import RESULTS, ROOT, markdown_table, pyplot, read_metrics, report, run_job, save_figure  # noqa: E402
 
 from pipelinerl_fsdp.checkpoint_layout import exported_policies  # noqa: E402
 
@@ -169,13 +169,8 @@ def summarise_run(folder: Path, start: dict | None, target: float | None) -> dic
 
 
 def plot(results: dict[str, dict], target: float | None, out: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e .[bench]): no plot written", flush=True)
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(1, 3, figsize=(16, 4.5))
     for name, r in results.items():
@@ -190,11 +185,7 @@ def plot(results: dict[str, dict], target: float | None, out: Path) -> bool:
     ax[0].set(xlabel="wall time (min, trainer's clock)", ylabel="held-out greedy accuracy", title="accuracy")
     ax[1].set(xlabel="optimizer step", ylabel="mean completion tokens (sampled)", title="completion length")
     ax[2].set(xlabel="optimizer step", ylabel="ESS (raw importance weights)", title="ESS")
-    for x in ax:
-        x.grid(alpha=0.3)
-        x.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    save_figure(fig, out)
     return True
 
 
