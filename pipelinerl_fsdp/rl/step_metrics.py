@@ -100,13 +100,12 @@ def mismatch(sums: dict[str, float]) -> dict[str, float]:
     step has no such token."""
     nan = float("nan")
     n, late = sums.get("lag0_tokens", 0.0), sums.get("lag0_after_update_tokens", 0.0)
-    out = {
+    return {
         "mismatch_kl": sums["lag0_k3"] / n if n > 0 else nan,
         "mismatch_abs_log_ratio": sums["lag0_abs_log_ratio"] / n if n > 0 else nan,
         "mismatch_kl_after_update": sums["lag0_after_update_k3"] / late if late > 0 else nan,
         "lag0_after_update_frac": late / n if n > 0 else nan,
     }
-    return out
 
 
 def mismatch_error(sums: dict[str, float], bound: float) -> str | None:

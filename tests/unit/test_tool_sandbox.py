@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelinerl_fsdp.tools.sandbox import TOOL_OUTCOMES, ToolLimits, ToolResult, ToolRunner
+from pipelinerl_fsdp.tools.sandbox import TOOL_OUTCOMES, ToolLimits, ToolResult, ToolRunner, network_isolation_available
 
 LIMITS = ToolLimits(timeout_s=2.0, memory_mb=256, max_output_bytes=4096)
 
@@ -118,3 +118,16 @@ def test_close_kills_what_runs_and_the_worker_count_is_checked():
         os.kill(pid, 0)
     with pytest.raises(ValueError, match="workers"):
         ToolRunner(LIMITS, workers=0)
+
+
+def test_a_network_namespace_of_its_own_where_the_kernel_allows_one():
+    """Behind the audit hook, the process has no interface but loopback (when a namespace is possible here: as
+    root, or with unprivileged user namespaces; sessions here run as root)."""
+    if not network_isolation_available():
+        pytest.skip("no network namespace for an unprivileged process on this kernel")
+    # /proc/self/net/dev lists the interfaces of the reading process's network namespace
+    code = "print(sorted(line.split(':')[0].strip() for line in open('/proc/self/net/dev').readlines()[2:]))"
+    res, _ = run_all(ToolRunner(LIMITS), {"ifaces": code})
+    assert res["ifaces"].outcome == "ok" and res["ifaces"].output == "['lo']\n", res["ifaces"].output
+    with open("/proc/self/net/dev") as f:  # the test's own process does have more
+        assert len(f.readlines()[2:]) > 1
