@@ -199,9 +199,19 @@ def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc,
     assert [x["version"] for x in recs] == list(range(1, 13))
     assert recs[0]["lag_max"] == 0 and recs[0]["ess"] == pytest.approx(1.0, abs=1e-4)  # first step: on-policy
     # engine and trainer agree on the tokens the trained weights sampled (both fp32: ~1e-6 per token; a wrong
-    # weight load, head or temperature would be ~0.1-1); every step that had such tokens, the first at least
+    # weight load, head or temperature would be ~0.1-1); every step that had such tokens, the first at least. Except
+    # where the engine sampled them over a KV cache it kept from older weights (kv_max_age -1 or 1, tokens after an
+    # update within their sequence): that is the stale-KV effect itself (measured up to 1.6e-3 k3 in the age-1 run);
+    # the rest of such a step's lag-0 tokens must still agree
     lag0 = [x for x in recs if math.isfinite(x["mismatch_abs_log_ratio"])]
-    assert lag0[0] is recs[0] and all(x["mismatch_abs_log_ratio"] < 1e-3 and x["mismatch_kl"] < 1e-5 for x in lag0)
+    assert lag0[0] is recs[0]
+    for x in lag0:
+        frac = x["lag0_after_update_frac"]
+        if frac == 0 or "--inference.kv_max_age=0" in extra:
+            assert x["mismatch_abs_log_ratio"] < 1e-3 and x["mismatch_kl"] < 1e-5, x
+        elif frac < 1:
+            before = (x["mismatch_kl"] - frac * x["mismatch_kl_after_update"]) / (1 - frac)
+            assert before < 1e-5, x
     assert max(x["lag_max"] for x in recs) <= bound and recs[-1]["dropped_stale"] == 0
     assert max(x["lag_max"] for x in recs) >= 1  # engines really generate while the trainer trains
     recomputed = sum(x["kv_recomputed_seqs"] for x in recs)
