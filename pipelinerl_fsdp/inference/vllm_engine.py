@@ -496,9 +496,12 @@ def without_torchrun_env() -> Iterator[None]:
     hidden = {k: v for k, v in os.environ.items() if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")}
     for k in hidden:
         del os.environ[k]
+    # the restart count under our own name, for fault injection in vLLM's processes (job/faults.py)
+    os.environ["PIPELINERL_RESTART_COUNT"] = hidden.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
         yield
     finally:
+        os.environ.pop("PIPELINERL_RESTART_COUNT", None)
         os.environ.update(hidden)
 
 

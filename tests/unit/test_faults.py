@@ -58,3 +58,14 @@ def test_a_failed_exchange_says_what_it_waited_for():
     with pytest.raises(KeyError):  # not an exchange failure: passed through untouched
         with waiting_for("anything", 0):
             raise KeyError("x")
+
+
+def test_vllm_processes_see_the_restart_count_under_our_name(fault, monkeypatch):
+    """vLLM's processes start without torchrun's variables; a restarted job's engine core must not fire again."""
+    fault("1:6:raise:core-update", restart="0")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    monkeypatch.setenv("PIPELINERL_RESTART_COUNT", "1")
+    maybe_fail(1, 6, "core-update")  # nothing: a restarted attempt
+    monkeypatch.setenv("PIPELINERL_RESTART_COUNT", "0")
+    with pytest.raises(InjectedFault):
+        maybe_fail(1, 6, "core-update")
