@@ -9,8 +9,9 @@ greedy evaluation) with `--extra=--inference.kv_max_age=K`, into OUT/age<K>/ (a 
 `learning_speed.json` exists is not run again). The table per setting: time to the task's held-out target (median
 and range over seeds), final accuracy, ESS, lag, the share of sequences spanning an update, and from every step's
 metrics: `mismatch_kl_after_update` (engine vs trainer on lag-0 tokens sampled after an update within their
-sequence: what a kept cache changes), `mismatch_kl` over all lag-0 tokens, sequences recomputed per step, and the
-engines' tokens per busy second (what recomputing costs them). Writes stale_kv.{json,md} under --out.
+sequence: what a kept cache changes), `mismatch_kl` over all lag-0 tokens and by position in the completion,
+sequences recomputed per step, and the engines' tokens per busy second (what recomputing costs them).
+Writes stale_kv.{json,md} under --out.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import RESULTS, ROOT, read_metrics, report  # noqa: E402
+
+from pipelinerl_fsdp.rl.loss import position_bin_names  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,6 +71,9 @@ def setting_summary(folder: Path) -> dict:
         "lag0_after_update_frac": finite_mean([r.get("lag0_after_update_frac") for r in recs]),
         "mismatch_kl": finite_mean([r.get("mismatch_kl") for r in recs]),
         "kv_recomputed_per_step": finite_mean([r.get("kv_recomputed_seqs") for r in recs]),
+        "mismatch_kl_by_position": {
+            name: finite_mean([r.get(f"mismatch_kl_pos/{name}") for r in recs]) for name in position_bin_names()
+        },
         "gen_tokens_per_busy_s": statistics.median(
             [r["gen_tokens_per_busy_s"] for r in recs if math.isfinite(r["gen_tokens_per_busy_s"])]
         ),
@@ -96,7 +102,8 @@ def main() -> None:
 
     columns = ["kv_max_age", "time to target s (range)", "reached", "final acc", "ESS mean (min)", "lag mean",
                "mixed-version seqs", "mismatch_kl after update", "share of lag-0 after update", "mismatch_kl all lag-0",
-               "recomputed seqs/step", "gen tokens/busy s", "steps/s"]  # fmt: skip
+               "recomputed seqs/step", "gen tokens/busy s", "steps/s",
+               *(f"mismatch_kl pos {name}" for name in position_bin_names())]  # fmt: skip
     rows = []
     for age, r in results.items():
         lo, hi = r["time_to_target_range"]
@@ -104,7 +111,8 @@ def main() -> None:
                      fmt(r["final_accuracy"]), f"{r['mean_ess']:.4f} ({r['min_ess']:.3f})", fmt(r["mean_lag"]),
                      fmt(r["mixed_version_frac"]), fmt(r["mismatch_kl_after_update"]),
                      fmt(r["lag0_after_update_frac"]), fmt(r["mismatch_kl"]), fmt(r["kv_recomputed_per_step"]),
-                     fmt(r["gen_tokens_per_busy_s"], ".0f"), fmt(r["steps_per_s"])])  # fmt: skip
+                     fmt(r["gen_tokens_per_busy_s"], ".0f"), fmt(r["steps_per_s"]),
+                     *(fmt(r["mismatch_kl_by_position"][name]) for name in position_bin_names())])  # fmt: skip
     target = next(iter(results.values()))["target"] if results else None
     title = f"Stale KV on {a.task}: pipeline, {a.seeds} seeds per setting, held-out target {target}"
     report(a.out / "stale_kv.json", title, columns, rows, {"settings": vars(a) | {"out": str(a.out)}, "ages": results})

@@ -41,13 +41,15 @@ def rl_micro_batches(
     on the completion tokens a policy sampled (0 on a multi-turn rollout's environment tokens). With the trained
     `version`, field `current` marks the completion tokens that version sampled (lag 0: where engine and trainer
     log-probs should agree, see `rl.loss.policy_loss`) and `after_update` those sampled after an in-flight update
-    within their sequence (`after_update_marks`). Field `weight` is each token's sample's loss weight
+    within their sequence (`after_update_marks`), and `position` is each completion token's index in its completion
+    (-1 on prompt targets), for the mismatch per position. Field `weight` is each token's sample's loss weight
     (`Sample.loss_weight`, rl/normalization.py)."""
     seqs: list[list[int]] = []
     fields: dict[str, list[list[float]]] = {"mask": [], "behaviour_logp": [], "advantage": [], "weight": []}
     if version is not None:
         fields["current"] = []
         fields["after_update"] = []
+        fields["position"] = []
     for s in samples:
         seqs.append(s.prompt_ids + s.completion_ids)
         n_prompt_targets = len(s.prompt_ids) - 1
@@ -60,6 +62,7 @@ def rl_micro_batches(
         if version is not None:
             fields["current"].append([0.0] * n_prompt_targets + [float(v == version) for v in s.versions])
             fields["after_update"].append([0.0] * n_prompt_targets + after_update_marks(s.versions))
+            fields["position"].append([-1.0] * n_prompt_targets + [float(i) for i in range(n)])
     bins = pack_into_bins([len(s) for s in seqs], budget)
     return [
         collate_packed([seqs[i] for i in b], {k: [v[i] for i in b] for k, v in fields.items()}, device) for b in bins

@@ -16,6 +16,21 @@ from pipelinerl_fsdp.rl.objectives import OBJECTIVES, Tokens
 # |log pi_ref - log pi| is clamped here before exp() in the k3 estimator: one token the policy has moved far from
 # the reference would otherwise give an unbounded penalty and gradient (PipelineRL clamps it the same way).
 KL_LOG_RATIO_CLAMP = 10.0
+# Completion-token positions at which the lag-0 mismatch is also summed per range ([0, 32), [32, 64), [64, 128),
+# [128, ...)): a KV cache kept from older weights (or numerics that drift with context length) shows as a mismatch
+# that grows with the position in the completion.
+POSITION_BINS = (0, 32, 64, 128)
+
+
+def position_bin_names() -> list[str]:
+    """Names of the ranges of POSITION_BINS: "0-31", "32-63", "64-127", "128+"."""
+    ends = [f"-{b - 1}" for b in POSITION_BINS[1:]] + ["+"]
+    return [f"{lo}{end}" for lo, end in zip(POSITION_BINS, ends)]
+
+
+def position_sum_keys() -> list[str]:
+    """The loss sums of the lag-0 mismatch per position range (`policy_loss`)."""
+    return [f"lag0_{kind}_pos{name}" for name in position_bin_names() for kind in ("tokens", "k3")]
 
 
 def mismatch_masks(t: Tokens, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +56,7 @@ def policy_loss(
     current: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     after_update: torch.Tensor | None = None,
+    position: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch: sum_t weight_t * keep_t * L_t (+ kl_coef * sum_t weight_t * k3_t), L_t the
     objective's per-token loss (`cfg.name`), weight_t its sample's normalisation weight (`loss.normalize`), keep_t
@@ -57,7 +73,8 @@ def policy_loss(
     as lag0_tokens, lag0_k3 (k3 estimate of KL(engine || trainer): rho - 1 - log rho, on the engine's samples)
     and lag0_abs_log_ratio; of those, the tokens `after_update` marks (sampled after an in-flight update within
     their sequence: over a KV cache older weights computed, unless the engine recomputed it) as
-    lag0_after_update_tokens and lag0_after_update_k3.
+    lag0_after_update_tokens and lag0_after_update_k3. `position` (each token's index in its completion): the
+    lag-0 tokens and k3 sums per range of POSITION_BINS as lag0_tokens_pos<range> and lag0_k3_pos<range>.
     """
     objective = OBJECTIVES.get(cfg.name)
     if objective is None:
@@ -101,6 +118,12 @@ def policy_loss(
     }
     late = lag0_mismatch_sums(log_ratio.detach(), lag0 * after_update if after_update is not None else 0 * mask)
     stats["lag0_after_update_tokens"], stats["lag0_after_update_k3"] = late["lag0_tokens"], late["lag0_k3"]
+    if position is not None:
+        edges = [*POSITION_BINS[1:], float("inf")]
+        for lo, hi, name in zip(POSITION_BINS, edges, position_bin_names()):
+            in_bin = ((position >= lo) & (position < hi)).to(lag0.dtype)
+            part = lag0_mismatch_sums(log_ratio.detach(), lag0 * in_bin)
+            stats[f"lag0_tokens_pos{name}"], stats[f"lag0_k3_pos{name}"] = part["lag0_tokens"], part["lag0_k3"]
     return loss, stats
 
 
@@ -124,6 +147,7 @@ def micro_batch_loss(
     ref = mb["ref_logp"][0] if "ref_logp" in mb else None
     current = mb["current"][0] if "current" in mb else None
     after_update = mb["after_update"][0] if "after_update" in mb else None
+    position = mb["position"][0] if "position" in mb else None
     loss, stats = policy_loss(
         logp[0],
         mb["behaviour_logp"][0],
@@ -136,6 +160,7 @@ def micro_batch_loss(
         current,
         kl_coef,
         after_update,
+        position,
     )
     stats["entropy"] = float((entropy[0] * mask).sum())
     return loss, stats

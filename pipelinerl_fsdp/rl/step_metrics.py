@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from pipelinerl_fsdp.rewards.outcomes import OUTCOMES
 from pipelinerl_fsdp.rl.ess import ess_from_sums
+from pipelinerl_fsdp.rl.loss import position_bin_names, position_sum_keys
 from pipelinerl_fsdp.samples import Sample, model_versions
 
 # Sums the loss reports per micro-batch, reduced over the trainer ranks (see rl.loss.policy_loss).
@@ -29,6 +30,7 @@ LOSS_SUMS = (
     "mis_tokens",
     "mis_seqs",
     "sequences",
+    *position_sum_keys(),
 )
 # ...and maxima, reduced with max
 LOSS_MAXES = ("max_log_ratio",)
@@ -96,11 +98,17 @@ def outcome_fractions(samples: list[Sample]) -> dict[str, float]:
 def mismatch(sums: dict[str, float]) -> dict[str, float]:
     """`mismatch_kl` and `mismatch_abs_log_ratio`: means over the step's lag-0 tokens (`rl.loss.policy_loss`);
     `mismatch_kl_after_update`: the k3 mean over those of them sampled after an in-flight update within their
-    sequence (the stale-KV effect: old-weight KV, new weights), `lag0_after_update_frac` their share. NaN where a
-    step has no such token."""
+    sequence (the stale-KV effect: old-weight KV, new weights), `lag0_after_update_frac` their share;
+    `mismatch_kl_pos/<range>`: the k3 mean over the lag-0 tokens at that range of positions in their completion
+    (rl.loss.POSITION_BINS). NaN where a step has no such token."""
     nan = float("nan")
     n, late = sums.get("lag0_tokens", 0.0), sums.get("lag0_after_update_tokens", 0.0)
+    by_pos = {}
+    for name in position_bin_names():
+        k = sums.get(f"lag0_tokens_pos{name}", 0.0)
+        by_pos[f"mismatch_kl_pos/{name}"] = sums[f"lag0_k3_pos{name}"] / k if k > 0 else nan
     return {
+        **by_pos,
         "mismatch_kl": sums["lag0_k3"] / n if n > 0 else nan,
         "mismatch_abs_log_ratio": sums["lag0_abs_log_ratio"] / n if n > 0 else nan,
         "mismatch_kl_after_update": sums["lag0_after_update_k3"] / late if late > 0 else nan,

@@ -2,6 +2,7 @@
 those, and the metric of the tokens sampled over an older cache (`mismatch_kl_after_update`)."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -10,10 +11,11 @@ from kv_reference import full_logprobs, logprobs_old_kv_then_new
 from pipelinerl_fsdp.inference.engine import Request, stale_kv
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
 from pipelinerl_fsdp.models import build_model, flavour_args
-from pipelinerl_fsdp.rl.batching import after_update_marks
+from pipelinerl_fsdp.rl.batching import after_update_marks, rl_micro_batches
 from pipelinerl_fsdp.rl.loss import policy_loss
 from pipelinerl_fsdp.rl.objectives.reinforce_tis import ReinforceTISConfig
-from pipelinerl_fsdp.rl.step_metrics import mismatch
+from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, mismatch
+from pipelinerl_fsdp.samples import Sample
 
 ARGS = flavour_args("debug", vocab_size=40)
 T = 0.8
@@ -111,3 +113,29 @@ def test_mismatch_after_update_counts_only_lag0_tokens_after_an_update():
     assert m["mismatch_kl"] == pytest.approx(float(k3[0] + k3[1] + k3[4] + k3[5]) / 4, rel=1e-6)
     none = mismatch({**sums, "lag0_after_update_tokens": 0.0, "lag0_after_update_k3": 0.0})
     assert none["mismatch_kl_after_update"] != none["mismatch_kl_after_update"]  # NaN: no such token this step
+
+
+def test_mismatch_by_position_sums_lag0_tokens_per_completion_range():
+    """Lag-0 tokens at completion positions 0, 31, 32 and 130 (and one at 5 of lag 1): the k3 mean per range counts
+    each lag-0 token in its range only; a range without lag-0 tokens is NaN, and the batching gives each completion
+    token its index."""
+    log_ratio = torch.tensor([0.1, -0.2, 0.3, 0.5, 0.7])
+    position = torch.tensor([0.0, 31.0, 32.0, 130.0, 5.0])
+    current = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])
+    ones = torch.ones(5)
+    _, stats = policy_loss(
+        log_ratio, torch.zeros(5), ones, ones, ones, ReinforceTISConfig(), current=current, position=position
+    )
+    k3 = torch.expm1(log_ratio) - log_ratio
+    assert stats["lag0_tokens_pos0-31"] == 2.0 and stats["lag0_tokens_pos64-127"] == 0.0
+    sums = {k: stats[k] for k in LOSS_SUMS if k in stats}
+    m = mismatch(sums)
+    assert m["mismatch_kl_pos/0-31"] == pytest.approx(float(k3[0] + k3[1]) / 2, rel=1e-6)
+    assert m["mismatch_kl_pos/32-63"] == pytest.approx(float(k3[2]), rel=1e-6)
+    assert m["mismatch_kl_pos/128+"] == pytest.approx(float(k3[3]), rel=1e-6)
+    assert math.isnan(m["mismatch_kl_pos/64-127"])
+    s = Sample(
+        group_id=0, prompt_ids=[1, 2, 3], completion_ids=[4, 5], logprobs=[-0.1, -0.2], versions=[0, 0], reward=1.0
+    )
+    (mb,) = rl_micro_batches([s], 64, torch.device("cpu"), version=0)
+    assert mb["position"][0].tolist() == [-1.0, -1.0, 0.0, 1.0]
