@@ -16,6 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from pipelinerl_fsdp.config import Config
+    from pipelinerl_fsdp.episodes import Episode
     from pipelinerl_fsdp.job.world import World
     from pipelinerl_fsdp.transport.weights import WeightReceiver
 
@@ -35,6 +36,11 @@ class Request:
     top_p: float | None = None
     # the policy version whose weights computed the oldest entry of this request's KV cache; -1: no cache yet
     kv_version: int = -1
+    # multi-turn (inference/turns.py): the episode whose turns this request runs; once it has ended, the text of the
+    # whole transcript (model and environment turns) and the number of model turns
+    episode: Episode | None = None
+    transcript: str | None = None
+    turns: int = 1
 
 
 @dataclass

@@ -19,10 +19,11 @@ from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.inference.engine import Engine, Request
+from pipelinerl_fsdp.inference.turns import scored_text
 from pipelinerl_fsdp.rewards.scorer import Scorer
 from pipelinerl_fsdp.samples import EvalReport
 from pipelinerl_fsdp.tasks import Task
-from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt
+from pipelinerl_fsdp.tokenizer import encode_prompt
 
 # evaluation request ids start here, far above any rollout id (stream position x attempts)
 EVAL_RID_BASE = 1 << 50
@@ -45,7 +46,7 @@ class EngineEvaluator:
         n_engines: int,
         max_prompt_tokens: int = 0,
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.task = cfg, task
         ev = cfg.eval
         self.every, self.samples = ev.every, ev.samples
         # this engine's share of each set: (problem index, prompt ids, gold answer); too-long prompts left out
@@ -87,8 +88,16 @@ class EngineEvaluator:
                     rid = self._next_rid
                     self._next_rid += 1
                     self._meta[rid] = (key, i, gold)
+                    episode = self.task.start_episode(gold)  # None: single-turn
                     self.queue.append(
-                        Request(rid, ids, self.cfg.task.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p)
+                        Request(
+                            rid,
+                            ids,
+                            self.cfg.task.max_new_tokens,
+                            temperature=ev.temperature,
+                            top_p=ev.top_p,
+                            episode=episode,
+                        )
                     )
         return ready
 
@@ -131,7 +140,7 @@ def evaluate_alone(
             engine.add(evaluator.queue.popleft())
         if engine.num_unfinished():
             for r in engine.step():
-                text = completion_text(tokenizer, r.tokens, stop_ids)
+                text = scored_text(tokenizer, r, stop_ids)
                 scorer.submit(r.request_id, text, evaluator.gold(r.request_id), r.finished)
         else:
             time.sleep(0.002)  # everything generated, scores still coming

@@ -27,6 +27,7 @@ from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.inference.engine import Engine, Request
 from pipelinerl_fsdp.inference.evaluator import EngineEvaluator
 from pipelinerl_fsdp.inference.factory import build_engine
+from pipelinerl_fsdp.inference.turns import TurnEngine, scored_text
 from pipelinerl_fsdp.job.faults import logprob_shift, maybe_fail
 from pipelinerl_fsdp.job.world import World, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
@@ -34,7 +35,7 @@ from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import shaped_group_advantages
 from pipelinerl_fsdp.samples import EvalReport, Sample
 from pipelinerl_fsdp.tasks import Problem, ProblemStream
-from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt
+from pipelinerl_fsdp.tokenizer import encode_prompt
 from pipelinerl_fsdp.transport.rollouts import RolloutSender
 from pipelinerl_fsdp.transport.weights import STOP, WeightReceiver
 
@@ -83,6 +84,11 @@ class InferenceWorker:
             "send_blocked_s": 0.0,
             # sequences in flight whose KV cache an update recomputed (inference.kv_max_age)
             "kv_recomputed": 0.0,
+            # multi-turn episodes' tool calls, by failure outcome (inference/turns.py)
+            "tool_calls": 0.0,
+            "tool_timeout": 0.0,
+            "tool_error": 0.0,
+            "tool_output_truncated": 0.0,
         }
         # prompts over task.max_prompt_tokens (tasks that have the key) are skipped and counted
         self._max_prompt = getattr(cfg.task, "max_prompt_tokens", 0)
@@ -187,6 +193,11 @@ class InferenceWorker:
         tokens, busy, seq_s = self.engine.stats()
         self.stats["busy_s"], self.stats["gen_tokens"], self.stats["seq_s"] = busy, float(tokens), seq_s
         self.stats["elapsed_s"] = time.perf_counter() - self._t0
+        if isinstance(self.engine, TurnEngine):
+            tools = self.engine.tool_outcomes
+            self.stats["tool_calls"] = float(sum(tools.values()))
+            for outcome in ("tool_timeout", "tool_error", "tool_output_truncated"):
+                self.stats[outcome] = float(tools[outcome])
 
     def _add_group(self) -> None:
         while True:
@@ -198,12 +209,13 @@ class InferenceWorker:
             self.stats["skipped_prompts"] += 1
         self.groups[gid] = _Group(problem, ids)
         for a in range(self.cfg.rl.attempts):
-            self.engine.add(Request(gid * self.cfg.rl.attempts + a, ids, self.cfg.task.max_new_tokens))
+            episode = self.task.start_episode(problem.answer)  # None: single-turn
+            self.engine.add(Request(gid * self.cfg.rl.attempts + a, ids, self.cfg.task.max_new_tokens, episode=episode))
         self._round_left -= 1
 
     def _finish(self, req: Request) -> None:
         """A completion is done: hand it to the scorer (its group is sent once every attempt is scored)."""
-        text = completion_text(self.tokenizer, req.tokens, self.stop_ids)
+        text = scored_text(self.tokenizer, req, self.stop_ids)
         if self.evaluator.owns(req.request_id):
             self.scorer.submit(req.request_id, text, self.evaluator.gold(req.request_id), req.finished)
             return
@@ -322,5 +334,8 @@ def run_inference(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: in
     """This inference rank's engine, weight receiver and rollout sender, and its loop over them."""
     torch.manual_seed(cfg.job.seed + world.rank)
     engine, receiver = build_engine(cfg, world, inputs, bucket_bytes)
+    if inputs.task.multi_turn:
+        t = cfg.task
+        engine = TurnEngine(engine, inputs.tokenizer, cfg.tokenizer, inputs.stop_ids, t.max_turns, t.turn_tokens)  # type: ignore[attr-defined]
     sender = RolloutSender(world.rollout_group, world.trainer_ranks[0], cfg.inference.max_queued_groups)
     InferenceWorker(cfg, world, inputs, engine, receiver, sender).run()

@@ -4,12 +4,13 @@ engines' cumulative counters and the step's timings (pure: every number comes fr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+from pipelinerl_fsdp.episodes import turn_spans
 from pipelinerl_fsdp.rewards.outcomes import OUTCOMES
 from pipelinerl_fsdp.rl.ess import ess_from_sums
 from pipelinerl_fsdp.rl.loss import position_bin_names, position_sum_keys
-from pipelinerl_fsdp.samples import Sample, model_versions
+from pipelinerl_fsdp.samples import ENV_VERSION, Sample, model_versions
 
 # Sums the loss reports per micro-batch, reduced over the trainer ranks (see rl.loss.policy_loss).
 LOSS_SUMS = (
@@ -46,10 +47,15 @@ class EngineCounters:
     seq_s: float = 0.0  # sequences in flight x busy seconds (Engine.stats)
     send_blocked_s: float = 0.0  # the inference loops' time waiting for room in their send queues
     kv_recomputed: float = 0.0  # sequences whose KV cache an update recomputed (inference.kv_max_age)
+    # multi-turn episodes' tool calls, and those that ended in each failure outcome (tools/sandbox.py)
+    tool_calls: float = 0.0
+    tool_timeout: float = 0.0
+    tool_error: float = 0.0
+    tool_output_truncated: float = 0.0
 
     @classmethod
     def total(cls, per_engine: dict[int, dict[str, float]]) -> EngineCounters:
-        keys = ("gen_tokens", "busy_s", "elapsed_s", "seq_s", "send_blocked_s", "kv_recomputed")
+        keys = [f.name for f in fields(cls)]
         return cls(*(sum(st.get(k, 0.0) for st in per_engine.values()) for k in keys))
 
 
@@ -93,6 +99,27 @@ def outcome_fractions(samples: list[Sample]) -> dict[str, float]:
     """`outcome/<kind>`: share of the batch's samples per reward outcome (correct, wrong, no_answer, ...)."""
     n = max(len(samples), 1)
     return {f"outcome/{name}": sum(1 for s in samples if s.outcome == code) / n for code, name in enumerate(OUTCOMES)}
+
+
+TOOL_COUNTERS = ("tool_calls", "tool_timeout", "tool_error", "tool_output_truncated")
+
+
+def episode_metrics(samples: list[Sample], trained_version: int) -> dict[str, float]:
+    """A multi-turn step's episodes: model turns (mean, max), environment tokens and policy versions per episode,
+    and `lag_turn/<i>`, the mean lag of the tokens of each episode's i-th model turn (i from 1)."""
+    spans = [turn_spans(s.versions) for s in samples]
+    by_turn: dict[int, list[int]] = {}
+    for s, sp in zip(samples, spans):
+        for i, (a, b) in enumerate(sp, 1):
+            by_turn.setdefault(i, []).extend(trained_version - v for v in s.versions[a:b])
+    n = max(len(samples), 1)
+    return {
+        "turns_per_episode": sum(len(sp) for sp in spans) / n,
+        "turns_max": float(max((len(sp) for sp in spans), default=0)),
+        "env_tokens_per_episode": sum(sum(1 for v in s.versions if v == ENV_VERSION) for s in samples) / n,
+        "versions_per_episode": sum(len(set(model_versions(s.versions))) for s in samples) / n,
+        **{f"lag_turn/{i}": sum(lags) / len(lags) for i, lags in sorted(by_turn.items()) if lags},
+    }
 
 
 def mismatch(sums: dict[str, float]) -> dict[str, float]:
@@ -139,9 +166,11 @@ def step_metrics(
     engines_before: EngineCounters,
     times: StepTimes,
     engine_slots: int = 0,
+    multi_turn: bool = False,
 ) -> dict[str, float]:
     """The step's metrics. `trained_version`: the policy version the step's gradient was computed with;
-    `engine_slots`: sequences an engine runs at most (`inference.max_num_seqs`; 0: no occupancy)."""
+    `engine_slots`: sequences an engine runs at most (`inference.max_num_seqs`; 0: no occupancy); `multi_turn`: the
+    task runs episodes (`episode_metrics`, and the engines' tool calls by outcome during the step)."""
     lags = token_lags(samples, trained_version)
     tokens = max(sums["tokens"], 1.0)
     engine_elapsed = max(engines.elapsed_s - engines_before.elapsed_s, 1e-9)
@@ -150,8 +179,13 @@ def step_metrics(
     if engine_slots and busy > 0:
         # the mean batch while busy over the slots: a draining long tail shows here, not in the busy fraction
         occupancy["inference_occupancy"] = (engines.seq_s - engines_before.seq_s) / busy / engine_slots
+    episodes = {}
+    if multi_turn:
+        episodes = episode_metrics(samples, trained_version)
+        episodes.update({k: getattr(engines, k) - getattr(engines_before, k) for k in TOOL_COUNTERS})
     return {
         **occupancy,
+        **episodes,
         **outcome_fractions(samples),
         "reward_mean": sum(s.reward for s in samples) / len(samples),
         # the paper's ESS, of the raw importance weights; and of the weights the loss applies (truncated at c)

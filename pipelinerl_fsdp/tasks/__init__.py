@@ -8,6 +8,7 @@ import pkgutil
 
 from pipelinerl_fsdp.tasks.base import (
     TASKS,
+    EnvironmentConfig,
     GeneratedTask,
     Problem,
     ProblemStream,
@@ -39,6 +40,7 @@ def make_task(cfg: TaskConfig) -> Task:
 
 __all__ = [
     "TASKS",
+    "EnvironmentConfig",
     "GeneratedTask",
     "Problem",
     "ProblemStream",

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, TypeVar
 from torchdata.nodes import BaseNode
 
 from pipelinerl_fsdp.config import TaskConfig
+from pipelinerl_fsdp.episodes import Episode
 from pipelinerl_fsdp.rewards.scorer import InlineScorer, Scorer
 
 
@@ -71,6 +72,21 @@ class Task(ABC):
     def longest_prompt(self) -> str:
         """A prompt at least as long as any this task produces: start-up checks size the budgets from it."""
 
+    # Multi-turn tasks (environments, docs/extending.md): an episode per rollout, answering each model turn.
+    def start_episode(self, answer: str) -> Episode | None:
+        """A new episode of the problem whose gold answer (the environment's hidden state) is `answer`; None for a
+        single-turn task. The reward then scores the whole transcript (model and environment turns' text)."""
+        return None
+
+    @property
+    def multi_turn(self) -> bool:
+        return type(self).start_episode is not Task.start_episode
+
+    def supervised_turns(self, problem: Problem) -> list[str]:
+        """The reference solution as turns, model turn first, then environment and model turns alternating (the
+        warm start trains on the model's turns only, each ended by the stop token): one turn for single-turn."""
+        return [problem.solution]
+
     def epoch(self, index: int) -> int | None:
         """The data epoch of stream position `index` (None: generated problems have no epochs)."""
         return None
@@ -79,6 +95,23 @@ class Task(ABC):
         """The prompts whose token counts bound every prompt's (a task from files returns all of them, since the
         longest in characters need not be the longest in tokens)."""
         return [self.longest_prompt()]
+
+
+@dataclass
+class EnvironmentConfig(TaskConfig):
+    """Keys of every multi-turn task; `max_new_tokens` is the episode's budget after the prompt (model and
+    environment tokens), checked against the trainer's micro-batch like any completion's."""
+
+    max_turns: int = 8  # model turns per episode at most
+    turn_tokens: int = 16  # tokens per model turn at most (stop token included)
+
+    def check(self) -> list[tuple[str, str]]:
+        bad = super().check()
+        if self.max_turns < 1:
+            bad.append(("max_turns", ">= 1"))
+        if not 1 <= self.turn_tokens <= self.max_new_tokens:
+            bad.append(("turn_tokens", f"between 1 and task.max_new_tokens = {self.max_new_tokens}"))
+        return bad
 
 
 class GeneratedTask(Task):

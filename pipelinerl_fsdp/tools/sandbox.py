@@ -238,3 +238,30 @@ class ToolRunner:
         run.proc.wait()
         assert run.proc.stdout is not None
         run.proc.stdout.close()
+
+
+class ToolMailbox:
+    """One `ToolRunner` shared by many callers (a rank's episodes), each asking for its own call's result: a poll
+    collects every call that ended, and each result waits here until its caller takes it."""
+
+    def __init__(self, runner: ToolRunner) -> None:
+        self.runner = runner
+        self._done: dict[Hashable, ToolResult] = {}
+        self._forgotten: set[Hashable] = set()
+
+    def submit(self, call_id: Hashable, code: str) -> None:
+        self.runner.submit(call_id, code)
+
+    def take(self, call_id: Hashable) -> ToolResult | None:
+        """The result of `call_id` once its call has ended, else None (never waits)."""
+        for r in self.runner.poll():
+            if r.call_id in self._forgotten:
+                self._forgotten.discard(r.call_id)
+            else:
+                self._done[r.call_id] = r
+        return self._done.pop(call_id, None)
+
+    def forget(self, call_id: Hashable) -> None:
+        """The caller no longer wants `call_id`'s result (its episode was dropped): it is discarded when it ends."""
+        if self._done.pop(call_id, None) is None:
+            self._forgotten.add(call_id)

@@ -10,7 +10,10 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp.config import TokenizerConfig
+from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.generate import generate
+from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
+from pipelinerl_fsdp.inference.turns import TurnEngine
 from pipelinerl_fsdp.models.decoder import Transformer
 from pipelinerl_fsdp.samples import EvalReport
 from pipelinerl_fsdp.tasks import Problem, Task
@@ -39,8 +42,12 @@ def greedy_accuracy(
     fmt = fmt or TokenizerConfig()
     prompts = [encode_prompt(tokenizer, p.prompt, fmt) for p in problems]
     stops = stop_ids or [tokenizer.eos_token_id]
-    outs = generate(model.eval(), prompts, max_new_tokens, stops, temperature=0.0) if prompts else []
-    correct = sum(task.reward(completion_text(tokenizer, o.tokens, stops), p.answer) for p, o in zip(problems, outs))
+    if task.multi_turn:
+        texts = greedy_episodes(model, task, tokenizer, problems, prompts, max_new_tokens, fmt, stops)
+    else:
+        outs = generate(model.eval(), prompts, max_new_tokens, stops, temperature=0.0) if prompts else []
+        texts = [completion_text(tokenizer, o.tokens, stops) for o in outs]
+    correct = sum(float(task.reward(text, p.answer) >= 1.0) for p, text in zip(problems, texts))
     if world > 1:
         device = next(model.parameters()).device
         t = torch.tensor([correct, len(problems)], dtype=torch.float64, device=device)
@@ -49,6 +56,35 @@ def greedy_accuracy(
     else:
         total = len(problems)
     return correct / total if total else float("nan")
+
+
+def greedy_episodes(
+    model: Transformer,
+    task: Task,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: list[Problem],
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    fmt: TokenizerConfig,
+    stop_ids: list[int],
+    max_in_flight: int = 256,
+) -> list[str]:
+    """The transcripts of a multi-turn task's greedy episodes, one per problem: the reference engine on `model`
+    run turn by turn (`inference.turns.TurnEngine`), as the inference ranks run them."""
+    if not problems:
+        return []
+    inner = ReferenceEngine(
+        model.eval(), min(len(problems), max_in_flight), max(map(len, prompts)) + max_new_tokens, stop_ids, 0.0
+    )
+    cfg = task.cfg
+    engine = TurnEngine(inner, tokenizer, fmt, stop_ids, cfg.max_turns, cfg.turn_tokens)  # type: ignore[attr-defined]
+    for i, (p, ids) in enumerate(zip(problems, prompts)):
+        engine.add(Request(i, ids, max_new_tokens, episode=task.start_episode(p.answer)))
+    texts: dict[int, str] = {}
+    while engine.num_unfinished():
+        for r in engine.step():
+            texts[r.request_id] = r.transcript or ""
+    return [texts[i] for i in range(len(problems))]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

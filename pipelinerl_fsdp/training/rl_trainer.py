@@ -297,7 +297,14 @@ class RLTrainer:
         assert c is not None
         engines = EngineCounters.total(c.engine_stats)
         values = step_metrics(
-            self._batch, trained_version, sums, engines, self._engines_before, times, self.cfg.inference.max_num_seqs
+            self._batch,
+            trained_version,
+            sums,
+            engines,
+            self._engines_before,
+            times,
+            self.cfg.inference.max_num_seqs,
+            self.task.multi_turn,
         )
         self._engines_before = engines
         pauses, self._pauses_before = update_pauses(c.engine_stats, self._pauses_before, c.pause_max)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp.config import Config, ConfigError, TokenizerConfig
+from pipelinerl_fsdp.episodes import env_turn_ids
 from pipelinerl_fsdp.job.world import World
 from pipelinerl_fsdp.models import Transformer, build_model, flavour_args, load_hf_model, save_hf_folder
 from pipelinerl_fsdp.preflight import check_sequence_budget, check_vocab, stop_token_ids
@@ -96,19 +97,28 @@ def initial_model(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Transforme
 
 
 def encode_supervised(
-    tokenizer: PreTrainedTokenizerBase, problem: Problem, fmt: TokenizerConfig
+    tokenizer: PreTrainedTokenizerBase, problem: Problem, fmt: TokenizerConfig, task: Task | None = None
 ) -> tuple[list[int], list[float]]:
-    """Prompt + solution + EOS as one sequence, and the loss mask over its targets (1 on solution tokens)."""
-    prompt = encode_prompt(tokenizer, problem.prompt, fmt)
-    solution = tokenizer(problem.solution, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    seq = prompt + solution
-    mask = [0.0] * (len(prompt) - 1) + [1.0] * len(solution)
+    """Prompt + solution as one sequence, and the loss mask over its targets: 1 on the model's turns, each ended by
+    EOS; 0 on the prompt and on a multi-turn task's environment turns (`Task.supervised_turns`, appended as the
+    episode would: `episodes.env_turn_ids`)."""
+    seq = encode_prompt(tokenizer, problem.prompt, fmt)
+    mask = [0.0] * (len(seq) - 1)
+    turns = task.supervised_turns(problem) if task is not None else [problem.solution]
+    for i, text in enumerate(turns):
+        if i % 2 == 0:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        else:
+            ids = env_turn_ids(tokenizer, text, fmt)
+        seq += ids
+        mask += [float(i % 2 == 0)] * len(ids)
     return seq, mask
 
 
 def _check_generation_budget(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase) -> None:
     problems = task.eval_split() or [task.train_problem(cfg.job.seed, i) for i in range(100)]
-    longest = max(len(tokenizer(p.solution, add_special_tokens=False)["input_ids"]) + 1 for p in problems)
+    n_prompt = {id(p): len(encode_prompt(tokenizer, p.prompt, cfg.tokenizer)) for p in problems}
+    longest = max(len(encode_supervised(tokenizer, p, cfg.tokenizer, task)[0]) - n_prompt[id(p)] for p in problems)
     if longest > cfg.task.max_new_tokens:
         raise ConfigError(
             f"task.max_new_tokens = {cfg.task.max_new_tokens} is too small: held-out solutions of "
@@ -181,7 +191,7 @@ def run_warmstart(cfg: Config, world: World) -> Path:
     t_last = time.time()
     accuracy = float("nan")
     for step in range(ws.steps):
-        encoded = [encode_supervised(tokenizer, next(stream), cfg.tokenizer) for _ in range(per_rank)]
+        encoded = [encode_supervised(tokenizer, next(stream), cfg.tokenizer, task) for _ in range(per_rank)]
         seqs, masks = [e[0] for e in encoded], [e[1] for e in encoded]
         n_loss_tokens = sum_over_ranks([sum(sum(m) for m in masks)], group, device)[0]
 

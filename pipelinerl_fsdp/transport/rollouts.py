@@ -35,6 +35,10 @@ ENGINE_STATS = (
     "seq_s",
     "send_blocked_s",
     "kv_recomputed",
+    "tool_calls",
+    "tool_timeout",
+    "tool_error",
+    "tool_output_truncated",
 )
 
 

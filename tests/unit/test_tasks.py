@@ -66,5 +66,6 @@ def test_stream_resumes_exactly_and_strides_disjoint():
 
 
 def test_unknown_task():
-    with pytest.raises(ValueError, match="unknown task 'poetry'; registered tasks: addition, chain_sum, math"):
+    registered = "addition, chain_sum, guess_number, math, tool_arithmetic, word_problems"
+    with pytest.raises(ValueError, match=f"unknown task 'poetry'; registered tasks: {registered}$"):
         make_task(TaskConfig(name="poetry"))

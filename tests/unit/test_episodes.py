@@ -1,0 +1,308 @@
+"""Multi-turn episodes: the guess-number environment, the ids a conversation is made of, and the engine wrapper
+that runs episodes turn by turn (versions across a turn boundary with an update between turns)."""
+
+import random
+import time
+
+import pytest
+import torch
+
+from kv_reference import full_logprobs
+from pipelinerl_fsdp.config import TokenizerConfig
+from pipelinerl_fsdp.episodes import Episode, Reply, env_turn_ids, turn_spans
+from pipelinerl_fsdp.inference.engine import Engine, Request
+from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
+from pipelinerl_fsdp.inference.turns import TURN_RID_BASE, TurnEngine, scored_text
+from pipelinerl_fsdp.models import build_model, flavour_args
+from pipelinerl_fsdp.samples import ENV_VERSION
+from pipelinerl_fsdp.tasks.guess_number import GuessEpisode, GuessNumber, GuessNumberConfig, bisection_bound
+from pipelinerl_fsdp.tasks.tool_arithmetic import ToolArithmetic, ToolArithmeticConfig
+from pipelinerl_fsdp.tokenizer import build_char_tokenizer, encode_prompt
+from pipelinerl_fsdp.training.warmstart import encode_supervised
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_guess_number_rewards_replay_the_transcript():
+    task = GuessNumber(GuessNumberConfig(max_turns=6))
+    answer = "31;5"
+    assert task.reward("20>\n31", answer) == 1.0
+    assert task.reward("20>\n25>\n28>\n29>\n30>\n31", answer) == 0.5  # 6 guesses: over the bound of 5
+    assert task.reward("20>\n25>\n28>\n29>\n30>\n30>\n31", answer) == 0.0  # over max_turns
+    assert task.reward("20>\n30", answer) == 0.0  # never found
+    assert task.reward("20>\nx31", answer) == 0.0  # not a guess
+    assert task.reward("", answer) == 0.0
+    assert bisection_bound(16) == 5 and bisection_bound(15) == 4 and bisection_bound(32) == 6
+
+
+def test_guess_number_episode_answers_higher_lower_and_ends():
+    ep = GuessEpisode(31)
+    assert ep.respond("20", True) == Reply(">\n")
+    assert ep.respond("40", True) == Reply("<\n")
+    assert ep.respond("31", True).text is None  # found
+    assert ep.respond("3a", True).text is None  # not a guess: ends (reward 0)
+    assert ep.respond("20", False).text is None  # cut at the turn's budget
+    ep.submit("20", True)
+    assert ep.poll() == Reply(">\n") and ep.poll() is None
+
+
+def test_reference_transcripts_are_solved_within_max_turns_and_train_only_model_turns():
+    task = GuessNumber(GuessNumberConfig())
+    tok = build_char_tokenizer(task.alphabet)
+    rng = random.Random(0)
+    for _ in range(200):
+        p = task.sample(rng)
+        assert task.reward(p.solution, p.answer) >= 0.5
+        turns = task.supervised_turns(p)
+        assert "".join(turns) == p.solution
+        seq, mask = encode_supervised(tok, p, TokenizerConfig(), task)
+        prompt = encode_prompt(tok, p.prompt, TokenizerConfig())
+        assert len(mask) == len(seq) - 1
+        targets = seq[1:]
+        trained = "".join(tok.decode([t]) if t != tok.eos_token_id else "|" for t, m in zip(targets, mask) if m)
+        assert trained == "|".join(turns[0::2]) + "|"  # each model turn and its stop token, nothing else
+        assert len(seq) - len(prompt) <= task.cfg.max_new_tokens
+
+
+def test_a_conversation_of_turn_ids_equals_the_chat_templates_ids():
+    """Ids built turn by turn (prompt through the template, the model's sampled ids with its stop token, each
+    environment turn by env_turn_ids) equal the template's rendering of the whole conversation: nothing the model
+    saw differs from what the conversation is."""
+    tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz<>|_0123456789\n ")
+    tok.chat_template = CHATML
+    fmt = TokenizerConfig(use_chat_template=True)
+    ids = encode_prompt(tok, "guess 1 to 9", fmt)
+    conversation = [{"role": "user", "content": "guess 1 to 9"}]
+    for model_turn, env_turn in [("5", "higher"), ("7", "lower"), ("6", None)]:
+        ids += tok(model_turn, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # as sampled
+        conversation.append({"role": "assistant", "content": model_turn})
+        if env_turn is not None:
+            ids += env_turn_ids(tok, env_turn, fmt)
+            conversation.append({"role": "user", "content": env_turn})
+    expected = tok.apply_chat_template(conversation, tokenize=True, add_generation_prompt=False)
+    expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+    assert ids == expected[: len(ids)] and expected[len(ids) :] == tok("\n", add_special_tokens=False)["input_ids"]
+    plain = TokenizerConfig()
+    assert env_turn_ids(tok, ">\n", plain) == tok(">\n", add_special_tokens=False)["input_ids"]
+
+
+class _Counting(Episode):
+    """Replies "ab" to every turn until `turns` turns, then ends; records what it was shown."""
+
+    def __init__(self, turns: int) -> None:
+        super().__init__()
+        self.turns, self.seen = turns, []
+
+    def respond(self, turn: str, finished: bool) -> Reply:
+        self.seen.append(turn)
+        return Reply(None if len(self.seen) >= self.turns else "ab")
+
+
+class _Slow(_Counting):
+    """A reply that is ready only after two polls (a tool still running)."""
+
+    def submit(self, turn: str, finished: bool) -> None:
+        self._pending, self._polls = self.respond(turn, finished), 0
+
+    def poll(self) -> Reply | None:
+        self._polls += 1
+        return self._pending if self._polls > 2 else None
+
+
+@pytest.fixture()
+def engine_parts():
+    tok = build_char_tokenizer("abcdefgh")
+    args = flavour_args("debug", vocab_size=len(tok))
+    model = build_model(args, seed=0).eval()
+    return tok, model
+
+
+def _turn_engine(tok, model, max_turns=3, turn_tokens=5, temperature=0.7):
+    inner = ReferenceEngine(model, 4, 64, [tok.eos_token_id], temperature, seed=0)
+    return TurnEngine(inner, tok, TokenizerConfig(), [tok.eos_token_id], max_turns, turn_tokens), inner
+
+
+def test_turn_engine_continues_the_sequence_with_environment_tokens_masked_and_ids_kept(engine_parts):
+    tok, model = engine_parts
+    engine, inner = _turn_engine(tok, model)
+    prompt = tok("abc", add_special_tokens=False)["input_ids"]
+    ep = _Slow(turns=5)
+    engine.add(Request(0, prompt, 40, episode=ep))
+    engine.add(Request(1, prompt, 40))  # single-turn: passes through
+    done = {}
+    steps = 0
+    while engine.num_unfinished():
+        for r in engine.step():
+            done[r.request_id] = r
+        steps += 1
+        assert steps < 200
+    r = done[0]
+    spans = turn_spans(r.versions)
+    assert r.turns == len(spans) == 3  # max_turns: the third turn ends the episode, unanswered
+    env_ids = tok("ab", add_special_tokens=False)["input_ids"]
+    for (_, b), (c, _) in zip(spans, spans[1:]):
+        assert r.tokens[b:c] == env_ids and r.versions[b:c] == [ENV_VERSION] * 2 and r.logprobs[b:c] == [0.0] * 2
+    texts = [scored_text(tok, Request(9, [], 1, tokens=r.tokens[a:b]), [tok.eos_token_id]) for a, b in spans]
+    assert ep.seen == texts[:2]  # the environment saw each turn's text before the stop token
+    assert r.transcript == "ab".join(texts)
+    assert len(r.tokens) == len(r.logprobs) == len(r.versions) <= 40
+    # every sampled token's log-prob is the model's on the whole sequence, as the trainer will score it
+    full = full_logprobs(model, prompt, r.tokens, 0.7)
+    sampled = torch.tensor([v != ENV_VERSION for v in r.versions])
+    assert torch.allclose(torch.tensor(r.logprobs)[sampled], full[sampled], atol=1e-4)
+    assert done[1].transcript is None and done[1].turns == 1
+
+
+def test_an_update_between_turns_gives_the_next_turn_the_new_version(engine_parts):
+    tok, model = engine_parts
+    engine, inner = _turn_engine(tok, model, max_turns=2, turn_tokens=4, temperature=1.0)
+    prompt = tok("abc", add_special_tokens=False)["input_ids"]
+    engine.add(Request(0, prompt, 30, episode=_Slow(turns=2)))
+    while not engine._replying:  # the first turn generates under version 0
+        assert not engine.step()
+    new = build_model(model.args, seed=1)
+    inner.load_weights(list(new.state_dict().items()))
+    inner.set_version(1)  # the update lands while the environment answers
+    (r,) = [x for _ in range(100) for x in engine.step()][:1]
+    (a, b), (c, d) = turn_spans(r.versions)
+    assert set(r.versions[a:b]) == {0} and set(r.versions[c:d]) == {1}
+    # the second turn ran on a cache the new weights computed: its log-probs are the new model's on the history
+    full = full_logprobs(new, prompt, r.tokens, 1.0)
+    assert torch.allclose(torch.tensor(r.logprobs[c:d]), full[c:d], atol=1e-4)
+
+
+class _Scripted(Engine):
+    """An engine that answers each request with the next scripted turn (text + EOS), one step after it was added;
+    single-turn requests get `filler` tokens, one per step, so that they keep generating meanwhile."""
+
+    def __init__(self, tok, turns: list[str], filler_steps: int) -> None:
+        self.tok, self.turns, self.filler_steps = tok, list(turns), filler_steps
+        self.reqs: list[Request] = []
+        self.steps = 0
+
+    @classmethod
+    def create(cls, settings):  # pragma: no cover - not built by a factory
+        raise NotImplementedError
+
+    def add(self, request: Request) -> None:
+        self.reqs.append(request)
+
+    def step(self) -> list[Request]:
+        self.steps += 1
+        done = []
+        for r in list(self.reqs):
+            if r.request_id >= TURN_RID_BASE:
+                r.tokens = self.tok(self.turns.pop(0), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+                r.logprobs, r.versions, r.finished = [-0.5] * len(r.tokens), [0] * len(r.tokens), True
+            else:
+                r.tokens.append(3)
+                r.logprobs.append(-1.0)
+                r.versions.append(0)
+                if len(r.tokens) < self.filler_steps:
+                    continue
+            self.reqs.remove(r)
+            done.append(r)
+        return done
+
+    def num_unfinished(self) -> int:
+        return len(self.reqs)
+
+    def stats(self):
+        return 0, 0.0, 0.0
+
+    def load_update(self, receiver, version, kv_max_age):
+        return 0
+
+    def stage_update(self, receiver):
+        pass
+
+    def apply_staged(self, version):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize(
+    "call, outcome, reply",
+    [
+        ("C:12+34+56", "ok", "R:102\n"),
+        ("C:__import__('time').sleep(60)", "tool_timeout", "R:?\n"),
+        ("C:1/0", "tool_error", "R:?\n"),
+        ("C:len(bytearray(10**10))", "tool_error", "R:?\n"),  # over the memory limit
+        ("C:'7'*(10**6)", "tool_output_truncated", "R:?\n"),
+    ],
+)
+def test_a_tool_call_gives_its_outcome_within_its_deadline_while_the_engine_keeps_generating(call, outcome, reply):
+    """A tool-arithmetic episode calls the sandboxed tool; whatever the call does (answer, hang, raise, flood), its
+    reply comes back with its named outcome within the deadline, and a single-turn request beside it finishes
+    meanwhile: the tool never stalls generation."""
+    task = ToolArithmetic(ToolArithmeticConfig(tool_timeout_s=2.0, tool_output_bytes=1024))
+    tok = build_char_tokenizer(task.alphabet + "_(')*/.imporstlenbyaw")
+    inner = _Scripted(tok, [call, "A:102"], filler_steps=40)
+    engine = TurnEngine(inner, tok, TokenizerConfig(), [tok.eos_token_id], max_turns=3, turn_tokens=40)
+    engine.add(
+        Request(0, tok("12+34+56=", add_special_tokens=False)["input_ids"], 100, episode=task.start_episode("102"))
+    )
+    engine.add(Request(1, [3], 100))
+    done, t0 = {}, time.perf_counter()
+    while engine.num_unfinished():
+        for r in engine.step():
+            done[r.request_id] = (r, time.perf_counter() - t0, inner.steps)
+        time.sleep(0.01)
+        assert time.perf_counter() - t0 < 30
+    episode, took, _ = done[0]
+    assert episode.transcript == f"{call}{reply}A:102" and episode.turns == 2
+    assert engine.tool_outcomes == {outcome: 1}
+    assert took < 2.0 + 3.0  # the deadline, plus the interpreter's start on a loaded machine
+    assert task.reward(episode.transcript, "102") == 1.0
+    if outcome == "tool_timeout":  # the single-turn request was not held up while the tool hung
+        assert done[1][2] < done[0][2]
+
+
+def test_tool_arithmetic_reference_transcripts_call_the_tool_or_work_the_sum():
+    task = ToolArithmetic(ToolArithmeticConfig())
+    rng = random.Random(0)
+    kinds = set()
+    for _ in range(100):
+        p = task.sample(rng)
+        turns = task.supervised_turns(p)
+        kinds.add(len(turns))
+        assert task.reward("".join(turns), p.answer) == 1.0
+        if len(turns) == 3:
+            assert turns[0] == "C:" + p.prompt[:-1] and turns[1] == f"R:{p.answer}\n"
+    assert kinds == {1, 3}
+
+
+def test_the_docs_environment_example_registers_and_runs_its_episodes(monkeypatch):
+    """docs/extending.md's environment, run as written: registered by name, its reference transcript trains only the
+    model's turns, and an episode driven through the TurnEngine reproduces it and earns reward 1."""
+    import re
+    from pathlib import Path
+
+    from pipelinerl_fsdp.tasks import base
+
+    monkeypatch.setattr(base, "TASKS", dict(base.TASKS))  # the example's registration stays in this test
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "extending.md").read_text()
+    (code,) = [
+        c for c in re.findall(r"```python\n(.*?)```", doc, re.S) if c.startswith("# pipelinerl_fsdp/tasks/count")
+    ]
+    namespace: dict = {}
+    exec(compile(code, "count_down.py", "exec"), namespace)
+    cls = base.TASKS["count_down"]
+    task = cls(namespace["CountDownConfig"]())
+    assert task.multi_turn
+    p = task.sample(random.Random(3))
+    turns = task.supervised_turns(p)
+    tok = build_char_tokenizer(task.alphabet)
+    engine = TurnEngine(_Scripted(tok, turns[0::2], 1), tok, TokenizerConfig(), [tok.eos_token_id], 10, 4)
+    engine.add(
+        Request(0, tok(p.prompt, add_special_tokens=False)["input_ids"], 60, episode=task.start_episode(p.answer))
+    )
+    (r,) = [x for _ in range(50) for x in engine.step()]
+    assert r.transcript == p.solution and task.reward(r.transcript, p.answer) == 1.0
+    _, mask = encode_supervised(tok, p, TokenizerConfig(), task)
+    assert sum(mask) == sum(len(t) + 1 for t in turns[0::2])  # each model turn and its stop token
