@@ -27,6 +27,8 @@ earlier, so it trails the policy by the lag and charges pipeline for a delay of 
   python benchmarks/learning_speed.py --task chain_sum --quick # long tail (2..12-term worked sums): pipeline,
                                                                # conventional G=1 and colocated, 3 seeds, ~15 min
                                                                # + warm start (once, ~15 min)
+  python benchmarks/learning_speed.py --task tool_arithmetic --quick  # multi-turn (a sandboxed Python tool):
+                                                               # pipeline and conventional G=1, 3 seeds
 
 Mode `colocated` is the single-process baseline of `benchmarks/colocated.py` (generate with every core, then train
 with every core; same config, data, step and metrics); `speedup_vs_colocated` compares against it.
@@ -53,8 +55,8 @@ from pipelinerl_fsdp.configure import load_config
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps and modes (about 15 min on 2 CPU cores)")
-    p.add_argument("--config", default="arithmetic", help="train_configs/ name or a TOML path")
-    p.add_argument("--task", choices=["addition", "chain_sum"], default="addition")
+    p.add_argument("--config", default=None, help="train_configs/ name or a TOML path (default: per task)")
+    p.add_argument("--task", choices=sorted(TASK_SETTINGS), default="addition")
     p.add_argument(
         "--modes", default=None, help="comma list of MODE[:G], e.g. pipeline,conventional:1,conventional:4,async"
     )
@@ -180,8 +182,23 @@ TASK_SETTINGS = {
         (4, 4),
     ),
 }
+TASK_SETTINGS["tool_arithmetic"] = TaskSettings(
+    # The multi-turn task: chain sums of 3-8 two-digit terms with a sandboxed Python tool (tasks/tool_arithmetic.py).
+    # Its config's warm start stops at 0.6 held-out greedy accuracy (the model calls the tool on about a third of the
+    # problems); RL learns to call it on every one: greedy accuracy 0.61 -> 1.0 in 50 steps (reference engine).
+    [],
+    (0.9, "0.8,0.95"),
+    (0.8, "0.7,0.9"),
+    40,
+    80,
+    "pipeline,conventional:1",
+    (256, 256),
+    (5, 5),
+)
 # the engine of every run unless --engine says otherwise
-TASK_ENGINE = {"addition": "vllm", "chain_sum": "reference"}
+TASK_ENGINE = {"addition": "vllm", "chain_sum": "reference", "tool_arithmetic": "reference"}
+# the config of every run unless --config says otherwise
+TASK_CONFIG = {"addition": "arithmetic", "chain_sum": "arithmetic", "tool_arithmetic": "tool_arithmetic"}
 
 
 def colocated_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -251,6 +268,8 @@ def summarise(
         "mean_lag": mean("lag_mean"),
         "max_lag": max(r["lag_max"] for r in steps),
         "mixed_version_frac": mean("mixed_version_frac"),
+        # multi-turn tasks: the mean lag of each model turn index (1, 2, ...) over the steps that had such turns
+        "lag_by_turn": lag_by_turn(steps),
         "trainer_busy_frac": mean("trainer_busy_frac"),
         "inference_busy_frac": mean("inference_busy_frac"),
         "inference_occupancy": statistics.median(occupancy) if occupancy else None,
@@ -269,6 +288,16 @@ def summarise(
         out["eval_curve"] = curve
         out["reward_time_to_targets_s"] = {t: h[0] for t, h in reward_hits(list(reward_targets)).items()}
     return out
+
+
+def lag_by_turn(steps: list[dict]) -> dict[str, float]:
+    """Mean over the steps of `lag_turn/<i>` (a multi-turn task's lag of its episodes' i-th model turns)."""
+    out: dict[str, list[float]] = {}
+    for r in steps:
+        for k, v in r.items():
+            if k.startswith("lag_turn/"):
+                out.setdefault(k.split("/", 1)[1], []).append(v)
+    return {i: statistics.fmean(v) for i, v in sorted(out.items(), key=lambda kv: int(kv[0]))}
 
 
 def median_range(xs: list[float | None]) -> tuple[float | None, float | None, float | None]:
@@ -319,6 +348,10 @@ def aggregate(per_seed: list[dict]) -> dict:
     out["inference_occupancy"] = statistics.median(occupancy) if occupancy else None
     out["mean_lag"] = statistics.fmean(r["mean_lag"] for r in per_seed)
     out["max_lag"] = max(r["max_lag"] for r in per_seed)
+    turns = sorted({i for r in per_seed for i in r.get("lag_by_turn", {})}, key=int)
+    out["lag_by_turn"] = {
+        i: statistics.fmean(r["lag_by_turn"][i] for r in per_seed if i in r.get("lag_by_turn", {})) for i in turns
+    }
     return out
 
 
@@ -468,6 +501,7 @@ def main() -> None:
             print(f"plot: {a.out / 'learning_speed.png'}", flush=True)
         return
     ts = TASK_SETTINGS[a.task]
+    a.config = a.config or TASK_CONFIG[a.task]
     default_target, default_more = ts.accuracy_targets if a.metric == "accuracy" else ts.reward_targets
     target = a.target if a.target is not None else default_target
     more_targets = [float(x) for x in (a.more_targets if a.more_targets is not None else default_more).split(",") if x]
@@ -563,6 +597,15 @@ def main() -> None:
     conv1 = results.get("conventional_G1")
     bound = overlap_bound(conv1["trainer_busy_frac"], conv1["inference_busy_frac"]) if conv1 else None
     md = table(results, target, a.window, bound, a.seeds, a.engine or TASK_ENGINE[a.task], metric)
+    by_turn = {name: v["lag_by_turn"] for name, v in results.items() if v.get("lag_by_turn")}
+    if by_turn:  # a multi-turn task: how stale each turn index's tokens were
+        turns = sorted({i for v in by_turn.values() for i in v}, key=int)
+        md += "\n\nMean lag by model turn index (versions between the trained weights and a turn's tokens):\n\n"
+        md += "| mode | " + " | ".join(f"turn {i}" for i in turns) + " |\n|---|" + "---|" * len(turns) + "\n"
+        md += "\n".join(
+            f"| {name} | " + " | ".join(f"{v[i]:.2f}" if i in v else "-" for i in turns) + " |"
+            for name, v in by_turn.items()
+        )
     print(md, flush=True)
     meta = {
         "task": a.task,

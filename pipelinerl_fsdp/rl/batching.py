@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from pipelinerl_fsdp.episodes import turn_indices
 from pipelinerl_fsdp.rl.packing import collate_packed, pack_into_bins
 from pipelinerl_fsdp.samples import ENV_VERSION, Sample
 
@@ -51,7 +52,8 @@ def rl_micro_batches(
     `version`, field `current` marks the completion tokens that version sampled (lag 0: where engine and trainer
     log-probs should agree, see `rl.loss.policy_loss`) and `after_update` those sampled after an in-flight update
     within their sequence (`after_update_marks`), and `position` is each completion token's index in its completion
-    (-1 on prompt targets), for the mismatch per position. Field `weight` is each token's sample's loss weight
+    (-1 on prompt targets), for the mismatch per position, and `turn` the index of its model turn (from 1; 0 on
+    prompt targets and environment tokens), for the ESS per turn. Field `weight` is each token's sample's loss weight
     (`Sample.loss_weight`, rl/normalization.py)."""
     seqs: list[list[int]] = []
     fields: dict[str, list[list[float]]] = {"mask": [], "behaviour_logp": [], "advantage": [], "weight": []}
@@ -59,6 +61,7 @@ def rl_micro_batches(
         fields["current"] = []
         fields["after_update"] = []
         fields["position"] = []
+        fields["turn"] = []
     for s in samples:
         seqs.append(s.prompt_ids + s.completion_ids)
         n_prompt_targets = len(s.prompt_ids) - 1
@@ -72,6 +75,7 @@ def rl_micro_batches(
             fields["current"].append([0.0] * n_prompt_targets + [float(v == version) for v in s.versions])
             fields["after_update"].append([0.0] * n_prompt_targets + after_update_marks(s.versions))
             fields["position"].append([-1.0] * n_prompt_targets + [float(i) for i in range(n)])
+            fields["turn"].append([0.0] * n_prompt_targets + [float(i) for i in turn_indices(s.versions)])
     bins = pack_into_bins([len(s) for s in seqs], budget)
     return [
         collate_packed([seqs[i] for i in b], {k: [v[i] for i in b] for k, v in fields.items()}, device) for b in bins

@@ -22,6 +22,16 @@ KL_LOG_RATIO_CLAMP = 10.0
 POSITION_BINS = (0, 32, 64, 128)
 
 
+# Model turns of a multi-turn episode whose importance weights are also summed per turn index (the last counts every
+# later turn): the ESS of each turn (`ess_turn/<i>`).
+TURN_BINS = 8
+
+
+def turn_sum_keys() -> list[str]:
+    """The loss sums of the raw importance weights per model-turn index (`policy_loss`)."""
+    return [f"turn{i}_{kind}" for i in range(1, TURN_BINS + 1) for kind in ("tokens", "rho", "rho2")]
+
+
 def position_bin_names() -> list[str]:
     """Names of the ranges of POSITION_BINS: "0-31", "32-63", "64-127", "128+"."""
     ends = [f"-{b - 1}" for b in POSITION_BINS[1:]] + ["+"]
@@ -57,6 +67,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     after_update: torch.Tensor | None = None,
     position: torch.Tensor | None = None,
+    turn: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss of one micro-batch: sum_t weight_t * keep_t * L_t (+ kl_coef * sum_t weight_t * k3_t), L_t the
     objective's per-token loss (`cfg.name`), weight_t its sample's normalisation weight (`loss.normalize`), keep_t
@@ -74,7 +85,9 @@ def policy_loss(
     and lag0_abs_log_ratio; of those, the tokens `after_update` marks (sampled after an in-flight update within
     their sequence: over a KV cache older weights computed, unless the engine recomputed it) as
     lag0_after_update_tokens and lag0_after_update_k3. `position` (each token's index in its completion): the
-    lag-0 tokens and k3 sums per range of POSITION_BINS as lag0_tokens_pos<range> and lag0_k3_pos<range>.
+    lag-0 tokens and k3 sums per range of POSITION_BINS as lag0_tokens_pos<range> and lag0_k3_pos<range>. `turn`
+    (each token's model-turn index, from 1; 0 elsewhere): tokens, sum rho and sum rho^2 per turn index as
+    turn<i>_tokens, turn<i>_rho, turn<i>_rho2 (i up to TURN_BINS, the last counting every later turn).
     """
     objective = OBJECTIVES.get(cfg.name)
     if objective is None:
@@ -124,6 +137,12 @@ def policy_loss(
             in_bin = ((position >= lo) & (position < hi)).to(lag0.dtype)
             part = lag0_mismatch_sums(log_ratio.detach(), lag0 * in_bin)
             stats[f"lag0_tokens_pos{name}"], stats[f"lag0_k3_pos{name}"] = part["lag0_tokens"], part["lag0_k3"]
+    if turn is not None:
+        for i in range(1, TURN_BINS + 1):
+            in_turn = mask * ((turn == i) if i < TURN_BINS else (turn >= i)).to(mask.dtype)
+            stats[f"turn{i}_tokens"] = float(in_turn.sum())
+            stats[f"turn{i}_rho"] = float((rho * in_turn).sum())
+            stats[f"turn{i}_rho2"] = float((rho * rho * in_turn).sum())
     return loss, stats
 
 
@@ -148,6 +167,7 @@ def micro_batch_loss(
     current = mb["current"][0] if "current" in mb else None
     after_update = mb["after_update"][0] if "after_update" in mb else None
     position = mb["position"][0] if "position" in mb else None
+    turn = mb["turn"][0] if "turn" in mb else None
     loss, stats = policy_loss(
         logp[0],
         mb["behaviour_logp"][0],
@@ -161,6 +181,7 @@ def micro_batch_loss(
         kl_coef,
         after_update,
         position,
+        turn,
     )
     stats["entropy"] = float((entropy[0] * mask).sum())
     return loss, stats

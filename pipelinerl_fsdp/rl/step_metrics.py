@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from pipelinerl_fsdp.episodes import turn_spans
 from pipelinerl_fsdp.rewards.outcomes import OUTCOMES
 from pipelinerl_fsdp.rl.ess import ess_from_sums
-from pipelinerl_fsdp.rl.loss import position_bin_names, position_sum_keys
+from pipelinerl_fsdp.rl.loss import TURN_BINS, position_bin_names, position_sum_keys, turn_sum_keys
 from pipelinerl_fsdp.samples import ENV_VERSION, Sample, model_versions
 
 # Sums the loss reports per micro-batch, reduced over the trainer ranks (see rl.loss.policy_loss).
@@ -32,6 +32,7 @@ LOSS_SUMS = (
     "mis_seqs",
     "sequences",
     *position_sum_keys(),
+    *turn_sum_keys(),
 )
 # ...and maxima, reduced with max
 LOSS_MAXES = ("max_log_ratio",)
@@ -106,7 +107,8 @@ TOOL_COUNTERS = ("tool_calls", "tool_timeout", "tool_error", "tool_output_trunca
 
 def episode_metrics(samples: list[Sample], trained_version: int) -> dict[str, float]:
     """A multi-turn step's episodes: model turns (mean, max), environment tokens and policy versions per episode,
-    and `lag_turn/<i>`, the mean lag of the tokens of each episode's i-th model turn (i from 1)."""
+    and `lag_turn/<i>`, the mean lag of the tokens of each episode's i-th model turn (i from 1). (`ess_turn/<i>`, the
+    ESS of those tokens, comes from the loss sums: `step_metrics`.)"""
     spans = [turn_spans(s.versions) for s in samples]
     by_turn: dict[int, list[int]] = {}
     for s, sp in zip(samples, spans):
@@ -182,6 +184,10 @@ def step_metrics(
     episodes = {}
     if multi_turn:
         episodes = episode_metrics(samples, trained_version)
+        for i in range(1, TURN_BINS + 1):  # the paper's ESS of each model-turn index's tokens (the last: and later)
+            if sums.get(f"turn{i}_tokens", 0.0) > 0:
+                n, rho, rho2 = (sums[f"turn{i}_{k}"] for k in ("tokens", "rho", "rho2"))
+                episodes[f"ess_turn/{i}"] = ess_from_sums(rho, rho2, n)
         episodes.update({k: getattr(engines, k) - getattr(engines_before, k) for k in TOOL_COUNTERS})
     return {
         **occupancy,

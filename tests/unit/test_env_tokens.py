@@ -12,7 +12,7 @@ from pipelinerl_fsdp.rl.batching import after_update_marks, rl_micro_batches
 from pipelinerl_fsdp.rl.loss import micro_batch_loss
 from pipelinerl_fsdp.rl.normalization import assign_loss_weights
 from pipelinerl_fsdp.rl.objectives import CONFIGS
-from pipelinerl_fsdp.rl.step_metrics import token_lags
+from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics, token_lags
 from pipelinerl_fsdp.samples import ENV_VERSION, Sample
 from pipelinerl_fsdp.training.collector import group_lag
 from pipelinerl_fsdp.transport.rollouts import decode_samples, encode_samples
@@ -83,3 +83,29 @@ def test_environment_tokens_travel_unchanged():
         and back.completion_ids == s.completion_ids
         and back.logprobs == pytest.approx(s.logprobs)
     )
+
+
+def test_ess_per_turn_index_counts_each_model_turns_tokens_only():
+    """ESS of turn 1 and of turn 2 from their own raw ratios; the environment's tokens between them count in
+    neither, and the step's metric is `ess_turn/<i>` for a multi-turn task."""
+    s = sample([0.0] * 7)
+    (mb,) = rl_micro_batches([s], 64, torch.device("cpu"), version=5)
+    assert mb["turn"][0, 2:].tolist() == [1.0, 1.0, 0.0, 0.0, 2.0, 2.0, 2.0]
+    log_ratio = torch.tensor([0.1, -0.3, 9.0, 9.0, 0.2, 0.0, -0.5])  # huge values on the environment's tokens
+    logp = torch.zeros(1, mb["mask"].shape[1])
+    logp[0, 2:] = log_ratio
+    _, stats = micro_batch_loss(logp, torch.zeros_like(logp), mb, CONFIGS["reinforce_tis"](), 0.0)
+    sums = {k: stats.get(k, 0.0) for k in LOSS_SUMS}
+    sums["max_log_ratio"] = stats["max_log_ratio"]
+
+    def ess(x: torch.Tensor) -> float:
+        w = torch.exp(x)
+        return float(w.sum() ** 2 / (w * w).sum() / len(w))
+
+    assert stats["turn1_tokens"] == 2 and stats["turn2_tokens"] == 3 and stats["turn3_tokens"] == 0
+    times = StepTimes(0.0, 0.0, 1.0, 0.0)
+    m = step_metrics([s], 5, sums, EngineCounters(), EngineCounters(), times, multi_turn=True)
+    assert m["ess_turn/1"] == pytest.approx(ess(log_ratio[:2]), rel=1e-5)
+    assert m["ess_turn/2"] == pytest.approx(ess(log_ratio[4:]), rel=1e-5)
+    assert "ess_turn/3" not in m and m["turns_per_episode"] == 2 and m["env_tokens_per_episode"] == 2
+    assert m["lag_turn/1"] == 1 and m["lag_turn/2"] == 0
