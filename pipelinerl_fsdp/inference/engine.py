@@ -41,6 +41,10 @@ class Request:
     episode: Episode | None = None
     transcript: str | None = None
     turns: int = 1
+    # multi-turn, between an episode's turns: keep this request's KV cache once it finishes, for the request that
+    # `continues` it (an engine that cannot keep it ignores both and prefills the next turn's whole prompt)
+    keep_cache: bool = False
+    continues: int | None = None
 
 
 @dataclass
@@ -133,3 +137,8 @@ class Engine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop the engine (and any process it started); unfinished requests are dropped."""
+
+    def forget(self, request_id: int) -> None:
+        """Drop the cache a finished request kept (`Request.keep_cache`) when no request will continue it (an
+        engine that keeps none has nothing to drop)."""
+        return None

@@ -9,12 +9,20 @@ may load new weights (`load_update`, which receives the broadcast straight into 
 requests keep their KV cache (computed by older weights) unless it is older than `inference.kv_max_age` versions,
 in which case `recompute_kv()` re-prefills them under the new weights. It runs in the inference rank's own process,
 on its device; tests and machines without vLLM use it.
+
+Multi-turn episodes (inference/turns.py) keep their cache between turns: a finished request that sets
+`keep_cache` has its keys and values copied out of its slot (`park`, the slot is free for others while the
+environment answers), and the request of the next turn (`continues` naming it) gets them back and prefills only the
+tokens after them (the last sampled token and the environment's reply). The kept cache is an in-flight sequence's
+cache like any other: an update recomputes it by the same `kv_max_age` rule (the next turn then prefills the whole
+history afresh).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -23,6 +31,16 @@ from pipelinerl_fsdp.inference.kv_cache import KVCache
 from pipelinerl_fsdp.inference.sampling import sample_next
 from pipelinerl_fsdp.models import Transformer, load_hf_model
 from pipelinerl_fsdp.transport.weights import WeightReceiver
+
+
+@dataclass
+class _Parked:
+    """The cache of a finished turn, waiting for the episode's next turn."""
+
+    ids: list[int]  # the tokens it holds (the request's prompt and sampled tokens but the last)
+    k: torch.Tensor
+    v: torch.Tensor
+    kv_version: int
 
 
 class ReferenceEngine(Engine):
@@ -66,6 +84,8 @@ class ReferenceEngine(Engine):
         self.running: dict[int, Request] = {}  # slot -> request
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.generated_tokens, self.busy_s, self.seq_s = 0, 0.0, 0.0
+        self.prefill_tokens = 0  # tokens run through a prefill or an extension (a kept cache saves them)
+        self.parked: dict[int, _Parked] = {}  # request id -> its kept cache (`Request.keep_cache`)
         self._staging: dict[str, torch.Tensor] | None = None  # async mode: a received, not yet loaded update
 
     @property
@@ -99,6 +119,7 @@ class ReferenceEngine(Engine):
         ids = torch.tensor([t for s in seqs for t in s], device=self.device)[None]
         logits = self.model(ids, pos, cache=self.cache)[0]
         self.cache.end_prefill()
+        self.prefill_tokens += ids.shape[1]
         for r in reqs:
             r.kv_version = self.version
         last = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
@@ -125,8 +146,12 @@ class ReferenceEngine(Engine):
             r.slot = self.free_slots.pop()
             self.running[r.slot] = r
             new.append(r)
-        if new:
-            batches.append((new, self._prefill(new, upto_last=False)))
+        resumed = [(r, p) for r in new if (p := self._kept_cache(r)) is not None]
+        fresh = [r for r in new if r.request_id not in {q.request_id for q, _ in resumed}]
+        if resumed:
+            batches.append(([r for r, _ in resumed], self._extend(resumed)))
+        if fresh:
+            batches.append((fresh, self._prefill(fresh, upto_last=False)))
         if not batches:
             return []
         reqs = [r for b, _ in batches for r in b]
@@ -140,12 +165,41 @@ class ReferenceEngine(Engine):
                 r.finished = t in self.eos
                 done.append(r)
         for r in done:
+            if r.keep_cache:
+                k, v = self.cache.park(r.slot)
+                self.parked[r.request_id] = _Parked(r.prompt_ids + r.tokens[:-1], k, v, r.kv_version)
             self._release(r)
         self.generated_tokens += len(reqs)
         took = time.perf_counter() - t0
         self.busy_s += took
         self.seq_s += len(reqs) * took
         return done
+
+    def _kept_cache(self, r: Request) -> _Parked | None:
+        """The parked cache `r` continues, when there is one and it holds a prefix of r's prompt."""
+        p = self.parked.pop(r.continues, None) if r.continues is not None else None
+        if p is None or len(p.ids) >= len(r.prompt_ids) or r.prompt_ids[: len(p.ids)] != p.ids:
+            return None
+        return p
+
+    @torch.no_grad()
+    def _extend(self, resumed: list[tuple[Request, _Parked]]) -> torch.Tensor:
+        """Put each kept cache back into its request's slot and run the prompt's tokens after it (one forward per
+        request: their lengths differ); returns the logits after each."""
+        out = []
+        for r, p in resumed:
+            self.cache.restore(r.slot, p.k, p.v)
+            new = r.prompt_ids[len(p.ids) :]
+            pos = self.cache.begin_extend(r.slot, len(new))
+            logits = self.model(torch.tensor([new], device=self.device), pos, cache=self.cache)[0, -1]
+            self.cache.end_decode()
+            self.prefill_tokens += len(new)
+            r.kv_version = p.kv_version  # its oldest entry is still the parked one's
+            out.append(logits)
+        return torch.stack(out)
+
+    def forget(self, request_id: int) -> None:
+        self.parked.pop(request_id, None)
 
     def _release(self, r: Request) -> None:
         """Free `r`'s slot, moving the highest running request into it: running requests stay in slots 0..n-1, and
@@ -195,7 +249,13 @@ class ReferenceEngine(Engine):
         stale = [r for r, s in zip(running, stale_kv([r.kv_version for r in running], version, kv_max_age)) if s]
         if stale:
             self.recompute_kv(stale)
-        return len(stale)
+        # kept caches of episodes between turns: a stale one is dropped, and the next turn prefills its history
+        parked = list(self.parked)
+        old = stale_kv([self.parked[i].kv_version for i in parked], version, kv_max_age)
+        gone = [i for i, s in zip(parked, old) if s]
+        for i in gone:
+            del self.parked[i]
+        return len(stale) + len(gone)
 
     def stage_update(self, receiver: WeightReceiver) -> None:
         if self._staging is None:
@@ -215,6 +275,7 @@ class ReferenceEngine(Engine):
 
     def close(self) -> None:
         """Nothing to stop: the engine lives in this process."""
+        self.parked.clear()
 
     @torch.no_grad()
     def recompute_kv(self, reqs: list[Request] | None = None) -> None:

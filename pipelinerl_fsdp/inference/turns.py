@@ -4,11 +4,12 @@ request whose tokens are the whole rollout after the prompt (model and environme
 
 Each model turn is a request of the inner engine whose prompt is the whole history as token ids (the prompt, the
 earlier turns' sampled ids as sampled, the environment's ids as tokenized once): nothing is re-tokenized, and the
-engine continues the sequence under whatever weights it holds then. Both engines prefill that history again at each
-turn (the reference engine frees a finished request's cache slot; vLLM runs without prefix caching, so no entry
-computed by older weights is ever reused): a turn's first token therefore sees a cache of the current weights,
-and `inference.kv_max_age` applies within a turn exactly as for single-turn requests. In-flight updates land
-between turns (the next turn starts under the new version) and within them (as today).
+engine continues the sequence under whatever weights it holds then. A turn's request asks the engine to keep its
+KV cache (`Request.keep_cache`) and the next turn's names it (`Request.continues`): the reference engine then
+prefills only the new tokens over the kept cache, which an update between the turns leaves in place or
+recomputes by `inference.kv_max_age`, as within a turn. vLLM runs without prefix caching, so it prefills the
+whole history at each turn under the weights of that moment (docs/vllm.md). In-flight updates land between turns
+(the next turn starts under the new version) and within them (as today).
 
 The environment's reply is polled between engine steps and never waited for (a tool runs in its own process,
 tools/sandbox.py), so a slow tool stalls only its own episode. Limits: `max_turns` model turns, `turn_tokens` per
@@ -48,6 +49,7 @@ class _Episode:
     episode: Episode
     segments: list[str] = field(default_factory=list)  # texts of the model and environment turns, in order
     turns: int = 0
+    last_turn: int | None = None  # the inner request id of the latest model turn (its engine may keep its cache)
 
 
 class TurnEngine(Engine):
@@ -89,7 +91,9 @@ class TurnEngine(Engine):
         rid, self._next_rid = self._next_rid, self._next_rid + 1
         r = ep.request
         self._turn_of[rid] = ep
-        self.inner.add(Request(rid, history, min(self.turn_tokens, left), temperature=r.temperature, top_p=r.top_p))
+        turn = Request(rid, history, min(self.turn_tokens, left), temperature=r.temperature, top_p=r.top_p)
+        turn.keep_cache, turn.continues, ep.last_turn = True, ep.last_turn, rid
+        self.inner.add(turn)
 
     def step(self) -> list[Request]:
         done: list[Request] = []
@@ -140,6 +144,8 @@ class TurnEngine(Engine):
 
     def _end(self, ep: _Episode) -> Request:
         ep.episode.close()
+        if ep.last_turn is not None:
+            self.inner.forget(ep.last_turn)
         req = ep.request
         req.transcript, req.turns = "".join(ep.segments), ep.turns
         return req
@@ -158,11 +164,16 @@ class TurnEngine(Engine):
     def stage_update(self, receiver: WeightReceiver) -> None:
         self.inner.stage_update(receiver)
 
+    def forget(self, request_id: int) -> None:
+        self.inner.forget(request_id)
+
     def apply_staged(self, version: int) -> None:
         self.inner.apply_staged(version)
 
     def close(self) -> None:
         for ep in [*self._replying, *self._turn_of.values()]:
             ep.episode.close()
+            if ep.last_turn is not None:
+                self.inner.forget(ep.last_turn)
         self._replying, self._turn_of = [], {}
         self.inner.close()

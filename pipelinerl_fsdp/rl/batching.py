@@ -28,20 +28,13 @@ def split_balanced(samples: list[Sample], n: int) -> list[list[Sample]]:
 
 
 def after_update_marks(versions: list[int]) -> list[float]:
-    """Per completion token, 1.0 where it was sampled after an in-flight update within its model turn (a newer
-    version than the turn's first token's; a single-turn completion is one turn): the tokens whose context's KV
-    cache older weights computed, unless the engine recomputed it (`inference.kv_max_age`). Each turn of an episode
-    starts from a prefill of the whole history under the weights of that moment (inference/turns.py), so an update
-    between two turns leaves no stale cache. Environment tokens are never marked."""
-    marks, first = [], None
-    for v in versions:
-        if v == ENV_VERSION:
-            first = None  # the next model turn starts over a fresh cache
-            marks.append(0.0)
-            continue
-        first = v if first is None else first
-        marks.append(float(v > first))
-    return marks
+    """Per completion token, 1.0 where it was sampled after an in-flight update within its sequence (a newer version
+    than the sequence's first sampled token's): the tokens whose context's KV cache older weights may have computed,
+    unless the engine recomputed it (`inference.kv_max_age`). A multi-turn episode is one sequence: the reference
+    engine carries a turn's cache into the next turn, while vLLM prefills each turn's history afresh, which acts
+    as a recompute at every turn boundary (inference/turns.py). Environment tokens are never marked."""
+    first = next((v for v in versions if v != ENV_VERSION), 0)
+    return [float(v != ENV_VERSION and v > first) for v in versions]
 
 
 def rl_micro_batches(

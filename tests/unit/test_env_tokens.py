@@ -38,7 +38,7 @@ def loss_and_grad(s: Sample, logp_values: list[float], loss_name: str) -> tuple[
     logp.requires_grad_(True)
     loss, stats = micro_batch_loss(logp, torch.zeros_like(logp), mb, objective_cfg, 0.0)
     loss.backward()
-    assert stats["tokens"] == 5 and stats["lag0_tokens"] == 3 and stats["lag0_after_update_tokens"] == 0  # new turn
+    assert stats["tokens"] == 5 and stats["lag0_tokens"] == 3 and stats["lag0_after_update_tokens"] == 3
     return loss.item(), logp.grad[0, n_prompt_targets : n_prompt_targets + len(logp_values)]
 
 
@@ -66,9 +66,9 @@ def test_normalisation_and_lags_count_only_sampled_tokens():
     assert s.loss_weight == pytest.approx(1 / 5)
     assert token_lags([s], 6) == [2, 2, 1, 1, 1]
     assert group_lag([s], 6) == 2  # not 7: the environment's "version" -1 is no version
-    # per model turn: an update between two turns leaves no stale cache (the next turn is prefilled afresh)
-    assert after_update_marks(VERSIONS) == [0.0] * 7
-    assert after_update_marks([4, 5, E, 5, 6, 6]) == [0.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    # the episode is one sequence: an update between two turns marks the later turn (its cache may be kept)
+    assert after_update_marks(VERSIONS) == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert after_update_marks([4, 5, E, 4, 6, 6]) == [0.0, 1.0, 0.0, 0.0, 1.0, 1.0]
     assert after_update_marks([E, E, 3, 4]) == [0.0, 0.0, 0.0, 1.0]  # the first sampled token sets the start
     (mb,) = rl_micro_batches([s], 64, torch.device("cpu"), version=5)
     assert mb["mask"][0, 2:].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]

@@ -1,13 +1,14 @@
 """Multi-turn episodes: the guess-number environment, the ids a conversation is made of, and the engine wrapper
 that runs episodes turn by turn (versions across a turn boundary with an update between turns)."""
 
+import copy
 import random
 import time
 
 import pytest
 import torch
 
-from kv_reference import full_logprobs
+from kv_reference import full_logprobs, logprobs_old_kv_then_new
 from pipelinerl_fsdp.config import TokenizerConfig
 from pipelinerl_fsdp.episodes import Episode, Reply, env_turn_ids, turn_spans
 from pipelinerl_fsdp.inference.engine import Engine, Request
@@ -154,24 +155,45 @@ def test_turn_engine_continues_the_sequence_with_environment_tokens_masked_and_i
     sampled = torch.tensor([v != ENV_VERSION for v in r.versions])
     assert torch.allclose(torch.tensor(r.logprobs)[sampled], full[sampled], atol=1e-4)
     assert done[1].transcript is None and done[1].turns == 1
+    # each later turn prefilled only its new tokens over the kept cache (the last sampled token and the reply)
+    assert inner.prefill_tokens == 2 * len(prompt) + sum(c - b + 1 for (_, b), (c, _) in zip(spans, spans[1:]))
+    assert not inner.parked
 
 
-def test_an_update_between_turns_gives_the_next_turn_the_new_version(engine_parts):
+class _NoBuckets:
+    """A weight receiver whose update the test already loaded into the engine."""
+
+    def receive_buckets(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("kv_max_age", [-1, 0])
+def test_an_update_between_turns_gives_the_next_turn_the_new_version(engine_parts, kv_max_age):
+    """The update lands while the environment answers: the next turn's tokens carry the new version. Its cache is
+    the first turn's, kept (kv_max_age -1: the new weights prefill only the last sampled token and the reply) or
+    recomputed (0: the whole history prefilled under the new weights), and its log-probs are those of that cache."""
     tok, model = engine_parts
     engine, inner = _turn_engine(tok, model, max_turns=2, turn_tokens=4, temperature=1.0)
     prompt = tok("abc", add_special_tokens=False)["input_ids"]
     engine.add(Request(0, prompt, 30, episode=_Slow(turns=2)))
     while not engine._replying:  # the first turn generates under version 0
         assert not engine.step()
-    new = build_model(model.args, seed=1)
+    assert len(inner.parked) == 1  # its cache waits for the next turn
+    old, new = copy.deepcopy(model), build_model(model.args, seed=1)  # the engine's model takes new's weights
     inner.load_weights(list(new.state_dict().items()))
-    inner.set_version(1)  # the update lands while the environment answers
+    assert inner.load_update(_NoBuckets(), 1, kv_max_age) == (kv_max_age == 0)
+    before = inner.prefill_tokens
     (r,) = [x for _ in range(100) for x in engine.step()][:1]
     (a, b), (c, d) = turn_spans(r.versions)
     assert set(r.versions[a:b]) == {0} and set(r.versions[c:d]) == {1}
-    # the second turn ran on a cache the new weights computed: its log-probs are the new model's on the history
-    full = full_logprobs(new, prompt, r.tokens, 1.0)
-    assert torch.allclose(torch.tensor(r.logprobs[c:d]), full[c:d], atol=1e-4)
+    if kv_max_age < 0:
+        expected = logprobs_old_kv_then_new(old, new, prompt, r.tokens, b, 1.0)[c - b : d - b]
+        assert inner.prefill_tokens - before == c - b + 1  # the last sampled token and the environment's reply
+    else:
+        expected = full_logprobs(new, prompt, r.tokens, 1.0)[c:d]
+        assert inner.prefill_tokens - before == len(prompt) + c
+    assert torch.allclose(torch.tensor(r.logprobs[c:d]), expected, atol=1e-4)
+    assert not inner.parked  # the episode ended: nothing kept
 
 
 class _Scripted(Engine):

@@ -45,3 +45,30 @@ def test_decode_reads_a_contiguous_run_in_place(slots, view):
     assert torch.equal(mask, mm)
     assert mask[:, 0, 0].sum(-1).tolist() == [lengths[s] + 1 for s in slots]
     assert a.lengths.tolist() == [n + (i in slots) for i, n in enumerate(lengths)]
+
+
+def test_an_extension_over_a_parked_cache_gives_the_full_forwards_logits():
+    """A sequence prefilled, parked, restored into another slot and extended by several tokens in one forward:
+    the logits of the new tokens equal one forward over the whole sequence (as the next turn of an episode sees
+    them), and the slot's length counts the new tokens."""
+    from pipelinerl_fsdp.models import build_model
+
+    model = build_model(ARGS, seed=0).eval()
+    seq = torch.randint(0, ARGS.vocab_size, (1, 13), generator=torch.Generator().manual_seed(2))
+    cache = KVCache(ARGS, num_slots=3, max_len=16)
+    with torch.no_grad():
+        full = model(seq)[0]
+        _, pos = cache.begin_prefill([1], [8])
+        model(seq[:, :8], pos, cache=cache)
+        cache.end_prefill()
+        k, v = cache.park(1)
+        cache.free(1)
+        cache.restore(2, k, v)
+        pos = cache.begin_extend(2, 5)
+        assert pos.tolist() == [[8, 9, 10, 11, 12]]
+        out = model(seq[:, 8:], pos, cache=cache)[0]
+        cache.end_decode()
+    torch.testing.assert_close(out, full[8:], atol=1e-5, rtol=1e-5)
+    assert cache.lengths.tolist() == [0, 0, 13] and not cache.decoding
+    with pytest.raises(ValueError, match="does not fit"):
+        cache.begin_extend(2, 4)
