@@ -295,10 +295,10 @@ class Transformer(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.args, position_ids, h.dtype)
         attend: torch.Tensor | Documents | None = mask
-        if mask is None and cache is None:
-            attend = Documents.from_positions(position_ids)  # training and scoring: no [T, T] tensor
-        elif mask is None and cache is not None and not cache.decoding:
-            attend = packed_causal_mask(position_ids)
+        if mask is None and (cache is None or not cache.decoding):
+            # training, scoring and the engine's packed prefill: attention per sequence, no [T, T] tensor (a prefill
+            # of 120 sequences in flight, recomputed at an update, packs ~10k tokens: a dense mask made it quadratic)
+            attend = Documents.from_positions(position_ids)
         for layer in self.model.layers:
             h = layer(h, cos, sin, attend, cache)
         h = self.model.norm(h)

@@ -47,8 +47,8 @@ def test_guess_number_episodes_in_the_pipeline_job(tmp_path):
         assert x["lag_turn/1"] >= 0 and x["tool_calls"] == 0
     # in-flight updates reach episodes: some episodes hold tokens of two or more versions
     assert max(x["versions_per_episode"] for x in recs) > 1
-    # lag-0 tokens whose turn began under the same weights: engine and trainer compute the same log-probs over the
-    # whole history (prompt, earlier turns as sampled, the environment's ids): no re-tokenization and no stale
+    # lag-0 tokens whose episode began under the same weights: engine and trainer compute the same log-probs over
+    # the whole history (prompt, earlier turns as sampled, the environment's ids): no re-tokenization and no stale
     # cache; the k3 of these tokens, from the step's means
     fresh = []
     for x in recs:
