@@ -28,7 +28,7 @@ earlier, so it trails the policy by the lag and charges pipeline for a delay of 
                                                                # conventional G=1 and colocated, 3 seeds, ~15 min
                                                                # + warm start (once, ~15 min)
   python benchmarks/learning_speed.py --task tool_arithmetic --quick  # multi-turn (a sandboxed Python tool):
-                                                               # pipeline and conventional G=1, 3 seeds
+                                                               # pipeline, conventional G=1 and async, 3 seeds
 
 Mode `colocated` is the single-process baseline of `benchmarks/colocated.py` (generate with every core, then train
 with every core; same config, data, step and metrics); `speedup_vs_colocated` compares against it.
@@ -191,7 +191,7 @@ TASK_SETTINGS["tool_arithmetic"] = TaskSettings(
     (0.8, "0.7,0.9"),
     40,
     80,
-    "pipeline,conventional:1",
+    "pipeline,conventional:1,async",
     (256, 256),
     (5, 5),
 )
