@@ -147,7 +147,8 @@ class ReferenceEngine(Engine):
             self.running[r.slot] = r
             new.append(r)
         resumed = [(r, p) for r in new if (p := self._kept_cache(r)) is not None]
-        fresh = [r for r in new if r.request_id not in {q.request_id for q, _ in resumed}]
+        continuing = {r.request_id for r, _ in resumed}
+        fresh = [r for r in new if r.request_id not in continuing]
         if resumed:
             batches.append(([r for r, _ in resumed], self._extend(resumed)))
         if fresh:
