@@ -1,8 +1,9 @@
 """The positive control of scripts/memcheck.sh (2 ranks under torchrun): gloo receives into a buffer that was freed.
 
 This is the bug class a native heap-corruption abort in our job would come from (a receive, broadcast or all-gather
-writing into a tensor after its memory went back to the allocator). Under AddressSanitizer the write must be reported
-as a heap-use-after-free by gloo's transport thread; if it is not, a clean memcheck run means nothing on this machine.
+writing into a tensor after its memory went back to the allocator). The checker must report the write (ASan: a
+heap-use-after-free by gloo's transport thread; valgrind: recvfrom into unaddressable bytes); if it does not, a clean
+memcheck run means nothing on this machine.
 Without the sanitizer the write silently lands in freed memory (that is the point: do not run this outside memcheck).
 """
 
