@@ -22,7 +22,7 @@ fi
 args=(--config arithmetic)
 for a in "$@"; do case "$a" in --config|--config=*) args=() ;; esac; done
 # the config is checked here first (a bad key fails in one process, before any rank starts)
-MAX_RESTARTS="${MAX_RESTARTS:-$("$PY" -m pipelinerl_fsdp.job.launch max-restarts "${args[@]}" "$@")}"
+MAX_RESTARTS="${MAX_RESTARTS:-$("$PY" -m pipelinerl_fsdp.launch max-restarts "${args[@]}" "$@")}"
 if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
   exec "$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$NPROC_PER_NODE" \
     --max-restarts "$MAX_RESTARTS" run_train.py "${args[@]}" "$@"

@@ -93,11 +93,11 @@ class Colocated:
         # precision (trainer.fp32_head) costs against the engine's log-probs
         gen_dtype = engine_dtype(cfg, device)
         self.generator = load_hf_model(model_path, device, gen_dtype).eval().requires_grad_(False)
-        prompt_len, _ = sequence_limits(cfg, self.task, self.tokenizer)
+        prompt_len, _ = sequence_limits(cfg.tokenizer, cfg.task, self.task, self.tokenizer)
         self.engine = ReferenceEngine(
             self.generator,
             rl.batch_size,
-            engine_max_len(cfg, prompt_len),
+            engine_max_len(cfg.inference, cfg.task, prompt_len),
             self.stops,
             cfg.inference.temperature,
             cfg.inference.top_p,
@@ -233,7 +233,7 @@ def main(argv: list[str]) -> None:
         logger.log(step + 1, values, console=(step + 1) % cfg.metrics.log_every == 0 or step == 0 or last)
         every = cfg.checkpoint.export_every
         if last or (every and (step + 1) % every == 0):  # as the job's trainer: periodic exports, then final/
-            run.export(Path(cfg.job.output_dir) / "final" if last else export_folder(cfg, step + 1))
+            run.export(Path(cfg.job.output_dir) / "final" if last else export_folder(cfg.job.output_dir, step + 1))
     logger.close()
     run.scorer.close()
     dist.destroy_process_group()

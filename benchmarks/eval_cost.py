@@ -133,7 +133,7 @@ def main() -> None:
     task = make_task(cfg.task)
     tokenizer = load_tokenizer(cfg.tokenizer.path or cfg.model.path)
     stops = stop_token_ids(cfg.model.path, tokenizer)
-    _, max_len = sequence_limits(cfg, task, tokenizer)
+    _, max_len = sequence_limits(cfg.tokenizer, cfg.task, task, tokenizer)
     # the evaluator's requests in its order: every set's problems x samples
     probe = EngineEvaluator(cfg, task, tokenizer, 0, 1)
     probe.start(0)

@@ -1,11 +1,11 @@
-"""Peak host memory measured on CPU for scaled-down shapes, next to what the memory plan (`pipelinerl_fsdp/job/plan.py`,
+"""Peak host memory measured on CPU for scaled-down shapes, next to what the memory plan (`pipelinerl_fsdp/plan.py`,
 `--job.stage=plan`) predicts for the same shapes. The plan sizes 7B jobs on GPUs no session can try; this checks
 its formulas where they can be measured.
 
     python benchmarks/memory_vs_plan.py [--quick] [--out benchmarks/results/memory_vs_plan.json]
 
 Each item runs in a fresh process (two ranks under torchrun where the item has two sides); the measured number is
-the peak growth of the process's anonymous resident memory over the item (`pipelinerl_fsdp/job/host_memory.py`: the
+the peak growth of the process's anonymous resident memory over the item (`pipelinerl_fsdp/runtime/host_memory.py`: the
 page cache of memory-mapped files left out, freed heap given back before the baseline; large allocations go
 through mmap so that a freed tensor leaves the process). Items, fp32:
 
@@ -38,15 +38,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))  # harness, also when a test loads 
 from harness import RESULTS, report  # noqa: E402
 
 from pipelinerl_fsdp.configure import load_config  # noqa: E402
-from pipelinerl_fsdp.job.host_memory import PeakAnon  # noqa: E402
-from pipelinerl_fsdp.job.plan import (  # noqa: E402
+from pipelinerl_fsdp.models import build_model, flavour_args  # noqa: E402
+from pipelinerl_fsdp.models.args import ModelArgs  # noqa: E402
+from pipelinerl_fsdp.plan import (  # noqa: E402
     attention_extra_bytes,
     load_host_memory,
     trainer_memory,
     weight_sync_buffers,
 )
-from pipelinerl_fsdp.models import build_model, flavour_args  # noqa: E402
-from pipelinerl_fsdp.models.args import ModelArgs  # noqa: E402
+from pipelinerl_fsdp.runtime.host_memory import PeakAnon  # noqa: E402
 
 MB = 1 << 20
 # the 1-process items run without torchrun; init_world makes a 1-rank gloo group
@@ -115,7 +115,15 @@ def item_step(checkpointing: str, quick: bool) -> None:
     policy.optimizer.zero_grad(set_to_none=True)
     with PeakAnon() as m:
         fwd_bwd()
-    plan = trainer_memory(cfg, args, 1, checkpointing == "full")
+    plan = trainer_memory(
+        cfg.trainer,
+        args,
+        1,
+        checkpointing == "full",
+        engine_dtype=cfg.inference.dtype,
+        bucket_mb=cfg.world.weight_bucket_mb,
+        kl_reference=cfg.rl.kl_coef > 0,
+    )
     in_step = [
         k
         for k in plan
@@ -216,7 +224,7 @@ def item_sync(quick: bool) -> None:
     bucket = cfg.world.weight_bucket_mb * MB
     model = build_model(args, seed=0)
     layout = [(n, list(p.shape)) for n, p in model.named_parameters()]
-    send, receive, _ = weight_sync_buffers(cfg, args, sent_as_is=True)
+    send, receive, _ = weight_sync_buffers(args, cfg.inference.dtype, cfg.world.weight_bucket_mb, sent_as_is=True)
     root = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("model.layers."))
     if world.is_trainer:
         apply_fsdp(model, world.trainer_mesh, torch.float32, torch.float32)

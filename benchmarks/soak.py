@@ -25,7 +25,7 @@ from pathlib import Path
 from harness import ROOT, job_command, read_metrics, report
 
 sys.path.insert(0, str(ROOT))
-from pipelinerl_fsdp.job.processes import descendants, parent_of  # noqa: E402
+from pipelinerl_fsdp.runtime.processes import descendants, parent_of  # noqa: E402
 
 
 def rss_mb(pid: int) -> float | None:

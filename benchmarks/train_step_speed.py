@@ -26,9 +26,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipelinerl_fsdp.config import OptimizerConfig
 from pipelinerl_fsdp.configure import load_config
-from pipelinerl_fsdp.job.plan import trainer_memory
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.models.decoder import Documents, document_attention
+from pipelinerl_fsdp.plan import trainer_memory
 from pipelinerl_fsdp.training.optim import build_optimizer
 from pipelinerl_fsdp.training.parallelize import apply_activation_checkpointing, apply_fsdp, resolve_fp32_head
 
@@ -64,7 +64,15 @@ def planned_peak(args, tokens: int, checkpointing: bool, dtype: torch.dtype) -> 
             "--trainer.ac_every=1",
         ]
     )
-    items = trainer_memory(cfg, args, 1, checkpointing)
+    items = trainer_memory(
+        cfg.trainer,
+        args,
+        1,
+        checkpointing,
+        engine_dtype=cfg.inference.dtype,
+        bucket_mb=cfg.world.weight_bucket_mb,
+        kl_reference=cfg.rl.kl_coef > 0,
+    )
     return sum(v for k, v in items.items() if not k.startswith(("weight sync", "CUDA context")))
 
 

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from harness import RESULTS, report
 
 from pipelinerl_fsdp.configure import load_config
-from pipelinerl_fsdp.job.host_memory import PeakAnon
 from pipelinerl_fsdp.job.world import init_world
 from pipelinerl_fsdp.models import build_model, flavour_args
+from pipelinerl_fsdp.runtime.host_memory import PeakAnon
 from pipelinerl_fsdp.training.parallelize import apply_fsdp
 from pipelinerl_fsdp.transport.weights import BucketLayout, WeightReceiver, WeightSender, slot_sizes
 

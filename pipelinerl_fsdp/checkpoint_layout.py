@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipelinerl_fsdp.config import Config, ConfigError, checkpoint_folder
+from pipelinerl_fsdp.config import CheckpointConfig, ConfigError
 
 
 def step_dir(folder: Path, step: int) -> Path:
@@ -57,20 +57,19 @@ def read_meta(path: Path) -> dict[str, Any]:
     return json.loads((path / "meta.json").read_text())
 
 
-def resume_point(cfg: Config) -> tuple[Path | None, list[str]]:
+def resume_point(ck: CheckpointConfig, output_dir: str) -> tuple[Path | None, list[str]]:
     """The checkpoint this job starts from (None: step 0) and warnings about damaged ones skipped on the way:
     `checkpoint.resume_from` when set, else with `checkpoint.resume` "auto" / "required" the newest intact one in
     the checkpoint folder. Every rank reaches the same answer from the same (shared) folder."""
-    ck = cfg.checkpoint
     if ck.resume_from:
         path = Path(ck.resume_from)
         why = damage(path) if path.is_dir() else "no such folder"
         if why:
-            raise ConfigError(f"checkpoint.resume_from = {ck.resume_from!r}: {why} ({cfg.source})")
+            raise ConfigError(f"checkpoint.resume_from = {ck.resume_from!r}: {why}")
         return path, []
     if ck.resume == "off":
         return None, []
-    folder = checkpoint_folder(cfg)
+    folder = ck.folder_under(output_dir)
     path, skipped = newest_intact(folder)
     if path is None and ck.resume == "required":
         detail = f" ({'; '.join(skipped)})" if skipped else ""
@@ -78,9 +77,9 @@ def resume_point(cfg: Config) -> tuple[Path | None, list[str]]:
     return path, skipped
 
 
-def export_folder(cfg: Config, step: int) -> Path:
+def export_folder(output_dir: str, step: int) -> Path:
     """Where `checkpoint.export_every` writes the policy (an HF folder) after `step` optimizer steps."""
-    return Path(cfg.job.output_dir) / "exports" / f"step-{step:07d}"
+    return Path(output_dir) / "exports" / f"step-{step:07d}"
 
 
 def exported_policies(output_dir: str | Path, max_steps: int) -> list[tuple[int, Path]]:

@@ -1,6 +1,7 @@
 """What every role of the RL stage shares, built once per rank before any engine starts: the tokenizer, the task,
-the ids that end a completion and the sequence limits, checked against the config and the model folder. The
-trainer, the inference loop and the engine factory take these instead of building their own."""
+the ids that end a completion, the sequence limits (checked against the config and the model folder) and the
+layout of the weight sync. The trainer, the inference loop and the engine factory take these instead of deciding
+them each on their own."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp.config import Config
+from pipelinerl_fsdp.job.weight_sync import WeightSyncLayout, weight_sync_layout
+from pipelinerl_fsdp.job.world import World
 from pipelinerl_fsdp.models.hf_io import read_model_args
 from pipelinerl_fsdp.preflight import (
     check_limits,
@@ -32,16 +35,17 @@ class JobInputs:
     stop_ids: list[int]  # ids that end a completion, the same for every engine
     prompt_len: int  # longest prompt in tokens (task.max_prompt_tokens, when set, bounds it)
     engine_max_len: int  # the engines' max_model_len
+    weight_sync: WeightSyncLayout
 
 
-def build_job_inputs(cfg: Config, model_path: str | Path) -> JobInputs:
+def build_job_inputs(cfg: Config, model_path: str | Path, world: World) -> JobInputs:
     """Load and check the job's inputs (a `ConfigError` names what does not fit)."""
-    folder = tokenizer_folder(cfg, model_path)
+    folder = tokenizer_folder(cfg.tokenizer, model_path)
     tokenizer = load_tokenizer(folder)
     task = make_task(cfg.task)
-    prompt_len, total = sequence_limits(cfg, task, tokenizer)
-    check_limits(cfg, task.name, prompt_len, total)
-    check_vocab(cfg, read_model_args(model_path).vocab_size, tokenizer, f"model folder {model_path}")
+    prompt_len, total = sequence_limits(cfg.tokenizer, cfg.task, task, tokenizer)
+    check_limits(cfg.trainer, cfg.inference, cfg.task, prompt_len, total)
+    check_vocab(read_model_args(model_path).vocab_size, tokenizer, f"model folder {model_path}")
     return JobInputs(
         model_path=str(model_path),
         tokenizer_path=folder,
@@ -49,5 +53,6 @@ def build_job_inputs(cfg: Config, model_path: str | Path) -> JobInputs:
         task=task,
         stop_ids=stop_token_ids(model_path, tokenizer),
         prompt_len=prompt_len,
-        engine_max_len=engine_max_len(cfg, prompt_len),
+        engine_max_len=engine_max_len(cfg.inference, cfg.task, prompt_len),
+        weight_sync=weight_sync_layout(cfg.job, cfg.inference, world),
     )

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipelinerl_fsdp.config import Config, ConfigError, save_resolved
-from pipelinerl_fsdp.configure import load_config, validate_world
-from pipelinerl_fsdp.job import stopping
-from pipelinerl_fsdp.job.processes import kill_descendants
-from pipelinerl_fsdp.job.stopping import StopRequested
+from pipelinerl_fsdp.config import Config, ConfigError, InferenceConfig, JobConfig, save_resolved
+from pipelinerl_fsdp.configure import load_config, named_source, validate_world
 from pipelinerl_fsdp.job.world import World, init_world, job_flags, shutdown
+from pipelinerl_fsdp.runtime import stopping
+from pipelinerl_fsdp.runtime.processes import kill_descendants
+from pipelinerl_fsdp.runtime.stopping import StopRequested
 
 if TYPE_CHECKING:
     from pipelinerl_fsdp.job_inputs import JobInputs
@@ -49,8 +49,8 @@ def run_rl(cfg: Config, world: World) -> None:
             # failed trainer ends the job (torchrun stops this rank), so this wait needs no deadline of its own.
             job_flags(cfg.world.timeout_s).wait(["warmstart_done"], datetime.timedelta(days=7))
         path = cfg.warmstart.path
-    inputs = preflight_rl(cfg, path)
-    bind_cpu_cores(cfg, world)
+    inputs = preflight_rl(cfg, path, world)
+    bind_cpu_cores(cfg.job, cfg.inference, world)
     bucket = cfg.world.weight_bucket_mb * 1024**2
     if world.is_trainer:
         run_trainer(cfg, world, inputs, bucket)
@@ -58,28 +58,30 @@ def run_rl(cfg: Config, world: World) -> None:
         run_inference(cfg, world, inputs, bucket)
 
 
-def bind_cpu_cores(cfg: Config, world: World) -> None:
+def bind_cpu_cores(job: JobConfig, inference: InferenceConfig, world: World) -> None:
     """CPU jobs (`job.bind_cores`): bind every thread of this rank (gloo's I/O loops included), and what it starts
     from now on (vLLM, reward workers), to its cores; after the warm start, which lets the trainers use every core
     while the engines wait."""
     from pipelinerl_fsdp.inference.placement import rank_cores
-    from pipelinerl_fsdp.job import cpu_binding
+    from pipelinerl_fsdp.runtime import cpu_binding
 
-    if world.backend == "nccl" or not cfg.job.bind_cores:
+    if world.backend == "nccl" or not job.bind_cores:
         return
-    cores = rank_cores(cfg, world)
-    if cores and cpu_binding.bind(cores) and not cfg.job.threads_per_rank:
+    cores = rank_cores(inference, job.threads_per_rank, world)
+    if cores and cpu_binding.bind(cores) and not job.threads_per_rank:
         torch.set_num_threads(len(cores))
 
 
-def preflight_rl(cfg: Config, model_path: str) -> JobInputs:
+def preflight_rl(cfg: Config, model_path: str, world: World) -> JobInputs:
     """Every rank, before any engine starts: the job's inputs (one tokenizer, the task, the sequence budget and
     vocabulary checked against them), and the checkpoint to resume from, if one is required."""
     from pipelinerl_fsdp.checkpoint_layout import resume_point
     from pipelinerl_fsdp.job_inputs import build_job_inputs
 
-    inputs = build_job_inputs(cfg, model_path)
-    resume_point(cfg)  # checkpoint.resume = "required" with nothing to resume, a bad resume_from: named here
+    inputs = build_job_inputs(cfg, model_path, world)
+    resume_point(
+        cfg.checkpoint, cfg.job.output_dir
+    )  # checkpoint.resume = "required" with nothing to resume, a bad resume_from: named here
     return inputs
 
 
@@ -114,17 +116,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         return 2
     if cfg.job.stage == "plan":
-        from pipelinerl_fsdp.job.plan import make_plan
+        from pipelinerl_fsdp.plan import make_plan
 
         try:
-            text, problems = make_plan(cfg)
+            with named_source(cfg):
+                text, problems = make_plan(cfg)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr, flush=True)
             return 2
         print(text, flush=True)
         return 1 if problems else 0
     try:
-        run(cfg)
+        with named_source(cfg):  # a ConfigError raised by any stage names where the values came from
+            run(cfg)
     except StopRequested as e:
         print(f"[rank {os.environ.get('RANK', '0')}] {e}", flush=True)
         kill_descendants()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from pipelinerl_fsdp.config import Config
+    from pipelinerl_fsdp.config import InferenceConfig
     from pipelinerl_fsdp.episodes import Episode
     from pipelinerl_fsdp.job.world import World
     from pipelinerl_fsdp.transport.weights import WeightReceiver
@@ -51,7 +51,10 @@ class Request:
 class EngineSettings:
     """What the factory resolves from the config and the world, the same for every engine kind."""
 
-    cfg: Config
+    inference: InferenceConfig  # the engine kind's own section class
+    timeout_s: float  # world.timeout_s: a start-up or a collective stuck longer fails
+    debug: bool  # job.debug: the engine's own logs
+    threads_per_rank: int  # job.threads_per_rank
     world: World
     model_path: str
     tokenizer_path: str
@@ -64,6 +67,8 @@ class EngineSettings:
     device: torch.device
     seed: int
     bucket_bytes: int
+    # members of the group the engine's workers join to receive the buckets (engines in processes of their own)
+    bucket_group_size: int
 
     @property
     def weight_src(self) -> int:

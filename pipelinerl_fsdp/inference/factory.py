@@ -1,12 +1,12 @@
-"""Build this inference rank's engine (of the kind `inference.engine` names, see `kinds.py`) from the job's inputs."""
+"""Build this inference rank's engine (of the kind `inference.engine` names, see `engine_kinds.py`) from the job's
+inputs."""
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
-from pipelinerl_fsdp.config import Config
-from pipelinerl_fsdp.inference.kinds import EngineKind, engine_kind
+from pipelinerl_fsdp.config import InferenceConfig, JobConfig, WorldConfig
+from pipelinerl_fsdp.engine_kinds import EngineKind, engine_kind, load_named
 
 if TYPE_CHECKING:
     from pipelinerl_fsdp.inference.engine import Engine
@@ -17,31 +17,40 @@ if TYPE_CHECKING:
 
 def engine_class(kind: EngineKind) -> type[Engine]:
     """The class `kind.impl` names, imported now (an engine's package loads only when one starts)."""
-    module, name = kind.impl.split(":")
-    return getattr(importlib.import_module(module), name)
+    return load_named(kind.impl)
 
 
-def build_engine(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int) -> tuple[Engine, WeightReceiver]:
+def build_engine(
+    inference: InferenceConfig,
+    job: JobConfig,
+    world_cfg: WorldConfig,
+    world: World,
+    inputs: JobInputs,
+) -> tuple[Engine, WeightReceiver]:
     """Start this inference rank's engine and the receiver of weight updates (collective with the first trainer
     rank where the engine's workers join the bucket group)."""
     import torch
 
     from pipelinerl_fsdp.inference.engine import EngineSettings
-    from pipelinerl_fsdp.inference.placement import engine_dtype
 
-    kind = engine_kind(cfg)
+    kind = engine_kind(inference)
     # an engine in its own processes picks its device itself: the rank's process is on CPU, vLLM's on the GPU
-    device = torch.device("cuda" if world.backend == "nccl" else "cpu") if kind.own_processes else world.device
+    on_gpu = inputs.weight_sync.engines_on_gpu
+    device = torch.device("cuda" if on_gpu else "cpu") if kind.own_processes else world.device
     settings = EngineSettings(
-        cfg=cfg,
+        inference=inference,
+        timeout_s=world_cfg.timeout_s,
+        debug=job.debug,
+        threads_per_rank=job.threads_per_rank,
         world=world,
         model_path=inputs.model_path,
         tokenizer_path=inputs.tokenizer_path,
         max_len=inputs.engine_max_len,
         stop_token_ids=inputs.stop_ids,
-        dtype=engine_dtype(cfg, device),
+        dtype=inputs.weight_sync.dtype,
         device=device,
-        seed=cfg.job.seed * 1000 + world.rank,
-        bucket_bytes=bucket_bytes,
+        seed=job.seed * 1000 + world.rank,
+        bucket_bytes=world_cfg.weight_bucket_mb * 1024**2,
+        bucket_group_size=inputs.weight_sync.bucket_group_size,
     )
     return engine_class(kind).create(settings)

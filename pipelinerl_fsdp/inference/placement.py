@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from pipelinerl_fsdp.config import Config, ConfigError
-from pipelinerl_fsdp.job import cpu_binding
-from pipelinerl_fsdp.job.gpus import gpu_count
+from pipelinerl_fsdp.config import ConfigError, InferenceConfig
+from pipelinerl_fsdp.inference.vllm_config import VLLMInferenceConfig
 from pipelinerl_fsdp.job.world import World
+from pipelinerl_fsdp.runtime import cpu_binding
+from pipelinerl_fsdp.runtime.gpus import gpu_count
 
 
 @dataclass
@@ -28,17 +27,8 @@ class VLLMPlacement:
     gpu_ids: list[int] | None  # CUDA_VISIBLE_DEVICES of the engine; None on CPU
 
 
-def engine_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    """dtype of the engines' weights (and of the weight broadcast): bf16 on GPU, fp32 on CPU unless set."""
-    name = cfg.inference.dtype
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def vllm_placement(cfg: Config, world: World) -> VLLMPlacement:
+def vllm_placement(inf: VLLMInferenceConfig, threads_per_rank: int, world: World) -> VLLMPlacement:
     """Cores (CPU) or GPU indices (GPU) of this inference rank's vLLM engine."""
-    inf = cfg.inference
     local_trainers, local_engines = _local_counts(world)
     if world.backend == "nccl":
         tp = inf.tensor_parallel_size
@@ -49,11 +39,11 @@ def vllm_placement(cfg: Config, world: World) -> VLLMPlacement:
             raise ConfigError(
                 f"rank {world.rank}: its vLLM engine needs GPUs {ids} (inference.tensor_parallel_size "
                 f"= {tp}, after the node's {local_trainers} trainer GPU(s)), but the node has "
-                f"{n_gpus} ({cfg.source})"
+                f"{n_gpus}"
             )
         return VLLMPlacement(cpu_cores=None, gpu_ids=ids)
     cores = cpu_binding.node_cores()
-    per = engine_cores_each(cfg, world, len(cores))
+    per = engine_cores_each(inf, threads_per_rank, world, len(cores))
     engine_index = world.local_rank - local_trainers
     mine = cpu_binding.engine_slice(cores, engine_index, per)
     if local_engines * per + local_trainers > len(cores):
@@ -66,28 +56,27 @@ def vllm_placement(cfg: Config, world: World) -> VLLMPlacement:
     tp = inf.tensor_parallel_size
     if per % tp:
         raise ConfigError(
-            f"inference.cpu_cores_per_engine = {per} is not a multiple of "
-            f"inference.tensor_parallel_size = {tp} ({cfg.source})"
+            f"inference.cpu_cores_per_engine = {per} is not a multiple of inference.tensor_parallel_size = {tp}"
         )
     step = len(mine) // tp
     parts = [mine[i * step : (i + 1) * step] for i in range(tp)]
     return VLLMPlacement(cpu_cores="|".join(f"{p[0]}-{p[-1]}" for p in parts), gpu_ids=None)
 
 
-def engine_cores_each(cfg: Config, world: World, n_cores: int) -> int:
+def engine_cores_each(inf: InferenceConfig, threads_per_rank: int, world: World, n_cores: int) -> int:
     """Cores per vLLM engine on a CPU node: `inference.cpu_cores_per_engine`, else `job.threads_per_rank`, else an
     equal share of the node."""
     share = max(1, n_cores // world.local_world_size)
-    return min(n_cores, cfg.inference.cpu_cores_per_engine or cfg.job.threads_per_rank or share)
+    return min(n_cores, inf.cores_per_engine or threads_per_rank or share)
 
 
-def rank_cores(cfg: Config, world: World) -> list[int] | None:
+def rank_cores(inf: InferenceConfig, threads_per_rank: int, world: World) -> list[int] | None:
     """The cores this rank (and every process it starts) is bound to in a CPU job: its engine's slice (from the
     top down) or its share of the cores the node's engines leave to its trainers; None when the node has fewer
     cores than its ranks need (oversubscribed: nothing is bound)."""
     cores = cpu_binding.node_cores()
     local_trainers, n_engines = _local_counts(world)
-    per = engine_cores_each(cfg, world, len(cores))
+    per = engine_cores_each(inf, threads_per_rank, world, len(cores))
     if n_engines * per + local_trainers > len(cores):
         return None
     if world.is_trainer:

@@ -46,7 +46,7 @@ class _Parked:
 class ReferenceEngine(Engine):
     @classmethod
     def create(cls, settings: EngineSettings) -> tuple[ReferenceEngine, WeightReceiver]:
-        s, inf = settings, settings.cfg.inference
+        s, inf = settings, settings.inference
         model = load_hf_model(s.model_path, s.device, s.dtype)
         engine = cls(model, inf.max_num_seqs, s.max_len, s.stop_token_ids, inf.temperature, inf.top_p, s.seed)
         params = engine.params

@@ -40,6 +40,7 @@ import torch
 from pipelinerl_fsdp.inference.busy import BusyClock
 from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request, stale_kv
 from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement
+from pipelinerl_fsdp.inference.vllm_config import VLLMInferenceConfig
 from pipelinerl_fsdp.inference.vllm_load import resolve_weight_load
 from pipelinerl_fsdp.models import ModelArgs, Transformer, read_model_args
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, store_address, store_prefix
@@ -133,8 +134,9 @@ class VLLMEngine(Engine):
 
     @classmethod
     def create(cls, settings: EngineSettings) -> tuple[VLLMEngine, WeightReceiver]:
-        s, cfg, world = settings, settings.cfg, settings.world
-        inf = cfg.inference
+        s, world = settings, settings.world
+        inf = s.inference
+        assert isinstance(inf, VLLMInferenceConfig), "the config loader selects the vLLM section for a vLLM engine"
         model_args = read_model_args(s.model_path)
         with torch.device("meta"):  # names and shapes of the broadcast, in the trainer's order
             layout = [(n, p.shape) for n, p in Transformer(model_args).named_parameters()]
@@ -147,15 +149,15 @@ class VLLMEngine(Engine):
             inf.top_p,
             s.seed,
             dtype,
-            vllm_placement(cfg, world),
+            vllm_placement(inf, s.threads_per_rank, world),
             inf.kv_cache_gib or kv_cache_gib_needed(model_args, inf.max_num_seqs, s.max_len, s.dtype.itemsize),
             inf.gpu_memory_utilization,
             inf.tensor_parallel_size,
             enforce_eager=enforce_eager(inf.cuda_graphs, on_gpu=s.device.type == "cuda"),
-            start_timeout_s=cfg.world.timeout_s,
+            start_timeout_s=s.timeout_s,
             tokenizer=s.tokenizer_path,
             stop_token_ids=s.stop_token_ids,
-            debug=cfg.job.debug,
+            debug=s.debug,
             max_num_batched_tokens=inf.max_num_batched_tokens,
             weight_load=resolve_weight_load(inf.vllm_weight_load, model_args.hidden_size, s.device.type == "cuda"),
         )
@@ -167,9 +169,9 @@ class VLLMEngine(Engine):
         engine.join_weight_group(
             *store_address(),
             1 + world.inference_index * tp,
-            1 + len(world.inference_ranks) * tp,
+            s.bucket_group_size,
             world.backend,
-            cfg.world.timeout_s,
+            s.timeout_s,
             [(n, list(sh)) for n, sh in layout],
             dtype,
             s.bucket_bytes,
@@ -496,7 +498,7 @@ def without_torchrun_env() -> Iterator[None]:
     hidden = {k: v for k, v in os.environ.items() if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")}
     for k in hidden:
         del os.environ[k]
-    # the restart count under our own name, for fault injection in vLLM's processes (job/faults.py)
+    # the restart count under our own name, for fault injection in vLLM's processes (runtime/faults.py)
     os.environ["PIPELINERL_RESTART_COUNT"] = hidden.get("TORCHELASTIC_RESTART_COUNT", "0")
     try:
         yield

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl_fsdp.inference.vllm_load import LOADS, InPlaceLoader
-from pipelinerl_fsdp.job.faults import maybe_fail
-from pipelinerl_fsdp.job.processes import parent_of
+from pipelinerl_fsdp.runtime.faults import maybe_fail
+from pipelinerl_fsdp.runtime.processes import parent_of
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group
 from pipelinerl_fsdp.transport.weights import BucketLayout, broadcast_bucket, in_decoder_layer, slot_sizes
 

@@ -19,11 +19,15 @@ The plain weights "inplace"/"unpacked" keep on CPU cost one more copy of the lin
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterable
 
 import torch
 
-LOADS = ("reload", "inplace", "unpacked")
+from pipelinerl_fsdp.inference.vllm_config import WeightLoad
+
+# the ways to load, as the vLLM section's `vllm_weight_load` key spells them ("auto" chooses one)
+LOADS = tuple(a for a in typing.get_args(WeightLoad) if a != "auto")
 # Widest hidden size for which "auto" computes CPU linears unpacked: at the 0.8M model (hidden 128) the engine
 # generated as fast unpacked as packed (2,609 vs 2,615 tokens/s, 16 sequences), at the 75M model (hidden 768) 0.86x
 # (202 vs 236), while an update's pause shrank 3.6x and 2.3x (`benchmarks/vllm_update.py`).

@@ -28,11 +28,11 @@ from pipelinerl_fsdp.inference.engine import Engine, Request
 from pipelinerl_fsdp.inference.evaluator import EngineEvaluator
 from pipelinerl_fsdp.inference.factory import build_engine
 from pipelinerl_fsdp.inference.turns import TurnEngine, scored_text
-from pipelinerl_fsdp.job.faults import logprob_shift, maybe_fail
 from pipelinerl_fsdp.job.world import World, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import shaped_group_advantages
+from pipelinerl_fsdp.runtime.faults import logprob_shift, maybe_fail
 from pipelinerl_fsdp.samples import EvalReport, Sample
 from pipelinerl_fsdp.tasks import Problem, ProblemStream
 from pipelinerl_fsdp.tokenizer import encode_prompt
@@ -102,7 +102,9 @@ class InferenceWorker:
         self._quota = per_round // n_inf + (world.inference_index < per_round % n_inf)
         self._round_left = self._quota
         self.evaluator = EngineEvaluator(cfg, self.task, self.tokenizer, world.inference_index, n_inf, self._max_prompt)
-        resume_from, _ = resume_point(cfg)  # the trainer's choice: the same answer from the same folder
+        resume_from, _ = resume_point(
+            cfg.checkpoint, cfg.job.output_dir
+        )  # the trainer's choice: the same answer from the same folder
         if resume_from is not None:
             self._resume(resume_from)
 
@@ -333,7 +335,7 @@ class InferenceWorker:
 def run_inference(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int) -> None:
     """This inference rank's engine, weight receiver and rollout sender, and its loop over them."""
     torch.manual_seed(cfg.job.seed + world.rank)
-    engine, receiver = build_engine(cfg, world, inputs, bucket_bytes)
+    engine, receiver = build_engine(cfg.inference, cfg.job, cfg.world, world, inputs)
     if inputs.task.multi_turn:
         t = cfg.task
         engine = TurnEngine(engine, inputs.tokenizer, cfg.tokenizer, inputs.stop_ids, t.max_turns, t.turn_tokens)  # type: ignore[attr-defined]

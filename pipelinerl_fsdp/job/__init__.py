@@ -1,2 +1,2 @@
-"""The job around the roles: the torchrun world and its groups, launch questions, the plan, stopping,
-fault injection, CPU binding, the process tree, GPU counts, host memory."""
+"""The job around the roles: the torchrun world and its process groups, and the layout of the weight sync that
+both ends of it follow."""

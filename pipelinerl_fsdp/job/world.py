@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipelinerl_fsdp.config import Config, ConfigError
-from pipelinerl_fsdp.inference.kinds import engine_kind
-from pipelinerl_fsdp.job.gpus import gpu_count
+from pipelinerl_fsdp.config import Config, ConfigError, InferenceConfig, JobConfig, WorldConfig
+from pipelinerl_fsdp.engine_kinds import engine_kind
+from pipelinerl_fsdp.runtime.gpus import gpu_count
 from pipelinerl_fsdp.transport.store_group import store_prefix
 
 
@@ -63,15 +63,15 @@ def rank_layout(world_size: int, n_inference: int) -> tuple[list[int], list[int]
     return list(range(world_size - n_inference)), list(range(world_size - n_inference, world_size))
 
 
-def job_backend(cfg: Config) -> str:
+def job_backend(world: WorldConfig, job: JobConfig) -> str:
     """The backend of the trainers' collectives, one decision for the whole job (from the machine, not the rank's
     role): every rank must build the same groups. Asked of NVML, so that no rank initialises CUDA here."""
-    if cfg.world.backend != "auto":
-        return cfg.world.backend
-    return "nccl" if cfg.job.device != "cpu" and gpu_count() > 0 else "gloo"
+    if world.backend != "auto":
+        return world.backend
+    return "nccl" if job.device != "cpu" and gpu_count() > 0 else "gloo"
 
 
-def uses_cuda(cfg: Config, backend: str, is_inference: bool) -> bool:
+def uses_cuda(job: JobConfig, inference: InferenceConfig, backend: str, is_inference: bool) -> bool:
     """Whether this rank's own process computes on a GPU. Trainers do in an NCCL job. An inference rank does only
     when its engine runs in this process (the reference engine) and `inference.device` lets it; a vLLM rank stays
     on CPU (its engine's processes take the GPUs) and must never initialise CUDA before vLLM starts them."""
@@ -79,9 +79,9 @@ def uses_cuda(cfg: Config, backend: str, is_inference: bool) -> bool:
         return False
     if not is_inference:
         return True
-    if cfg.job.stage != "rl":
+    if job.stage != "rl":
         return False  # an inference rank of the warm-start stage only waits
-    return not engine_kind(cfg).own_processes and cfg.inference.device == "auto"
+    return not engine_kind(inference).own_processes and inference.device == "auto"
 
 
 def group_backends(backend: str, inference_on_cuda: bool) -> dict[str, str]:
@@ -108,19 +108,18 @@ def init_world(cfg: Config) -> World:
     n_inf = cfg.world.inference_ranks
     if n_inf >= world_size:
         raise ConfigError(
-            f"world.inference_ranks = {n_inf} leaves no trainer rank: the job has {world_size} "
-            f"rank(s) in all ({cfg.source})"
+            f"world.inference_ranks = {n_inf} leaves no trainer rank: the job has {world_size} rank(s) in all"
         )
     trainer_ranks, inference_ranks = rank_layout(world_size, n_inf)
-    backend = job_backend(cfg)
+    backend = job_backend(cfg.world, cfg.job)
     if backend == "nccl" and cfg.job.device == "cpu":
-        raise ConfigError(f"world.backend = 'nccl' needs CUDA devices, but job.device = 'cpu' ({cfg.source})")
+        raise ConfigError("world.backend = 'nccl' needs CUDA devices, but job.device = 'cpu'")
     if backend != "nccl" and cfg.job.device == "cuda":
         why = "world.backend = 'gloo'" if cfg.world.backend == "gloo" else "no GPU is visible on this node"
-        raise ConfigError(f"job.device = 'cuda' but {why} ({cfg.source})")
-    on_cuda = uses_cuda(cfg, backend, rank in inference_ranks)
-    inference_on_cuda = uses_cuda(cfg, backend, True)
-    device = _cuda_device(cfg, local_rank) if on_cuda else torch.device("cpu")
+        raise ConfigError(f"job.device = 'cuda' but {why}")
+    on_cuda = uses_cuda(cfg.job, cfg.inference, backend, rank in inference_ranks)
+    inference_on_cuda = uses_cuda(cfg.job, cfg.inference, backend, True)
+    device = _cuda_device(cfg.job, local_rank) if on_cuda else torch.device("cpu")
     threads = cfg.job.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world_size)
     torch.set_num_threads(threads)
     if "MASTER_ADDR" not in os.environ:  # plain `python run_train.py`: a world of one
@@ -171,14 +170,14 @@ def init_world(cfg: Config) -> World:
     )
 
 
-def _cuda_device(cfg: Config, local_rank: int) -> torch.device:
+def _cuda_device(job: JobConfig, local_rank: int) -> torch.device:
     """This rank's GPU (the one of its local rank); only ranks that compute on a GPU get here."""
     if not torch.cuda.is_available():
-        raise ConfigError(f"job.device = {cfg.job.device!r} but CUDA is not available on this machine ({cfg.source})")
+        raise ConfigError(f"job.device = {job.device!r} but CUDA is not available on this machine")
     if local_rank >= torch.cuda.device_count():
         raise ConfigError(
             f"local rank {local_rank} needs a GPU of its own, but this node has {torch.cuda.device_count()} "
-            f"(run one process per GPU: torchrun --nproc-per-node) ({cfg.source})"
+            "(run one process per GPU: torchrun --nproc-per-node)"
         )
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from pipelinerl_fsdp.checkpoint_layout import read_meta, step_dir
-from pipelinerl_fsdp.job.faults import maybe_fail
+from pipelinerl_fsdp.runtime.faults import maybe_fail
 
 
 def save_checkpoint(

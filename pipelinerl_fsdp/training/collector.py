@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pipelinerl_fsdp.config import RLConfig
-from pipelinerl_fsdp.job import stopping
-from pipelinerl_fsdp.job.stopping import StopRequested
 from pipelinerl_fsdp.rl.advantages import is_zero_advantage_group
+from pipelinerl_fsdp.runtime import stopping
+from pipelinerl_fsdp.runtime.stopping import StopRequested
 from pipelinerl_fsdp.samples import EvalReport, Sample, model_versions
 
 Group = list[Sample]

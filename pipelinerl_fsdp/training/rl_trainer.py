@@ -17,14 +17,8 @@ import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp.checkpoint_layout import export_folder, resume_point
-from pipelinerl_fsdp.config import Config, checkpoint_folder
-from pipelinerl_fsdp.inference.kinds import engine_kind
-from pipelinerl_fsdp.inference.placement import engine_dtype
-from pipelinerl_fsdp.job import stopping
-from pipelinerl_fsdp.job.faults import maybe_fail, nan_loss_at
-from pipelinerl_fsdp.job.processes import kill_descendants
-from pipelinerl_fsdp.job.stopping import StopRequested
-from pipelinerl_fsdp.job.world import World, uses_cuda, waiting_for
+from pipelinerl_fsdp.config import Config
+from pipelinerl_fsdp.job.world import World, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.models import save_hf_folder
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
@@ -38,6 +32,10 @@ from pipelinerl_fsdp.rl.step_metrics import (
     step_metrics,
     update_pauses,
 )
+from pipelinerl_fsdp.runtime import stopping
+from pipelinerl_fsdp.runtime.faults import maybe_fail, nan_loss_at
+from pipelinerl_fsdp.runtime.processes import kill_descendants
+from pipelinerl_fsdp.runtime.stopping import StopRequested
 from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.training.checkpoint import load_checkpoint, save_checkpoint
 from pipelinerl_fsdp.training.collector import Collector
@@ -76,28 +74,24 @@ class RLTrainer:
         if rl.kl_coef > 0:  # the frozen initial policy, sharded like the trained one
             self.ref_model = load_sharded(model_path, world, cfg.trainer).requires_grad_(False)
         bucket_group = None
-        own_processes = engine_kind(cfg).own_processes
-        if world.is_main and own_processes:  # the engine's workers receive the buckets themselves
+        sync = inputs.weight_sync
+        if world.is_main and sync.workers_join:  # the engine's workers receive the buckets themselves
             bucket_group = join_store_group(
                 *store_address(),
                 ENGINE_BUCKET_GROUP,
                 0,
-                1 + len(world.inference_ranks) * cfg.inference.tensor_parallel_size,
+                sync.bucket_group_size,
                 world.backend,
                 device,
                 cfg.world.timeout_s,
             )
-        # the buckets' device: the trainer's GPU where they travel over NCCL (vLLM's workers on GPU, or in-process
-        # engines on GPU), else CPU (gloo), gathered on the GPU and copied out bucket by bucket
-        engines_on_gpu = world.backend == "nccl" and (own_processes or uses_cuda(cfg, world.backend, True))
-        sync_device = device if engines_on_gpu else torch.device("cpu")
         self.sender = WeightSender(
             self.policy.model,
             world.weight_group,
             world.trainer_ranks[0],
             world.is_main,
-            engine_dtype(cfg, sync_device if not own_processes else device),
-            sync_device,
+            sync.dtype,
+            sync.bucket_device(device),
             bucket_bytes,
             bucket_group,
             cfg.world.timeout_s,
@@ -118,7 +112,7 @@ class RLTrainer:
         self.version = self.start_step = 0
         self.nonfinite_in_row = self.skipped_steps = 0
         self._mismatch_checked = False  # rl.check_mismatch runs once, on the first step with lag-0 tokens
-        resume_from, skipped = resume_point(cfg)
+        resume_from, skipped = resume_point(cfg.checkpoint, cfg.job.output_dir)
         for warning in skipped if world.is_main else []:
             print(f"[rl] warning: {warning}", flush=True)
         if resume_from is not None:
@@ -374,7 +368,7 @@ class RLTrainer:
         }
         p = self.policy
         save_checkpoint(
-            checkpoint_folder(self.cfg),
+            self.cfg.checkpoint.folder_under(self.cfg.job.output_dir),
             step,
             p.model,
             p.optimizer,
@@ -402,7 +396,9 @@ class RLTrainer:
                 saved = step + 1
             every = self.cfg.checkpoint.export_every
             if every and (step + 1) % every == 0 and step + 1 < last:  # the last step's policy goes to final/
-                export_policy(self.policy.model, export_folder(self.cfg, step + 1), self.world, self.tokenizer)
+                export_policy(
+                    self.policy.model, export_folder(self.cfg.job.output_dir, step + 1), self.world, self.tokenizer
+                )
         self.close()
 
     def _stop(self, step: int, saved: int, stop: StopRequested) -> None:

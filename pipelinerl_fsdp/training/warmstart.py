@@ -85,7 +85,7 @@ def initial_model(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Transforme
     """model.path loaded, else model.flavour randomly initialised (seeded: identical on every rank)."""
     if cfg.model.path:
         model = load_hf_model(cfg.model.path)
-        check_vocab(cfg, model.args.vocab_size, tokenizer, f"model.path {cfg.model.path}")
+        check_vocab(model.args.vocab_size, tokenizer, f"model.path {cfg.model.path}")
         return model
     args = flavour_args(
         cfg.model.flavour,
@@ -148,7 +148,7 @@ def run_warmstart(cfg: Config, world: World) -> Path:
 
     tokenizer = initial_tokenizer(cfg, task)
     _check_generation_budget(cfg, task, tokenizer)
-    check_sequence_budget(cfg, task, tokenizer)
+    check_sequence_budget(cfg.trainer, cfg.inference, cfg.tokenizer, cfg.task, task, tokenizer)
     model = initial_model(cfg, tokenizer)
     args = model.args
     stops = stop_token_ids(cfg.model.path, tokenizer) if cfg.model.path else [tokenizer.eos_token_id]

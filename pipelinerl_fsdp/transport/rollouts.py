@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from pipelinerl_fsdp.job.stopping import StopRequested
+from pipelinerl_fsdp.runtime.stopping import StopRequested
 from pipelinerl_fsdp.samples import EvalReport, Sample
 
 HEADER_TAG, INTS_TAG, FLOATS_TAG = 1, 2, 3

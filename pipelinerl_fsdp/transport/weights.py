@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from pipelinerl_fsdp.job import stopping
+from pipelinerl_fsdp.runtime import stopping
 from pipelinerl_fsdp.transport.device_waits import Stopwatch, wait_on_host
 from pipelinerl_fsdp.transport.store_group import StoreGroup
 

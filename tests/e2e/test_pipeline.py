@@ -435,7 +435,7 @@ def test_a_signal_to_the_launcher_stops_every_process_quickly(warm_folder, tmp_p
     finished (checkpoints every 50 steps: none was written before), no process of it (vLLM's included) is left,
     and the next start resumes from that checkpoint without a step lost or logged twice."""
     from pipelinerl_fsdp.checkpoint_layout import newest_intact
-    from pipelinerl_fsdp.job.processes import alive, descendants
+    from pipelinerl_fsdp.runtime.processes import alive, descendants
 
     extra = ("--checkpoint.interval=50", "--metrics.log_every=1", f"--inference.engine={engine}")
     args = short_run_args(1, warm_folder, tmp_path, *extra)
@@ -485,7 +485,7 @@ def test_a_signal_to_the_launcher_stops_every_process_quickly(warm_folder, tmp_p
 def test_a_killed_vllm_engine_core_restarts_the_job_which_finishes(warm_folder, tmp_path):
     """kill -9 of vLLM's engine core (as the OOM killer would): its inference rank notices within seconds and
     fails with the cause, torchrun restarts the job (--max-restarts=1), which resumes and finishes every step."""
-    from pipelinerl_fsdp.job.processes import descendants
+    from pipelinerl_fsdp.runtime.processes import descendants
 
     args = short_run_args(1, warm_folder, tmp_path, "--checkpoint.interval=2", "--metrics.log_every=1")
     cmd, env = torchrun_command(2, ROOT / "run_train.py", *args, "--job.threads_per_rank=1", max_restarts=1)

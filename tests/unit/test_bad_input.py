@@ -13,31 +13,63 @@ import torch
 from safetensors.torch import save_file
 
 from pipelinerl_fsdp.checkpoint_layout import damage, newest_intact
-from pipelinerl_fsdp.config import _CHECKS, Config, ConfigError, _sections
+from pipelinerl_fsdp.config import ConfigError, sections
 from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.engine_kinds import engine_configs
 from pipelinerl_fsdp.models.hf_io import read_model_args, read_state_dict
 from pipelinerl_fsdp.rl.objectives import CONFIGS as LOSS_CONFIGS
 from pipelinerl_fsdp.tasks import TASKS, task_class
 from pipelinerl_fsdp.tokenizer import load_tokenizer
 
+
+def _ck(cfg):
+    """`resume_point`'s arguments: the checkpoint section and the job's output folder."""
+    return cfg.checkpoint, cfg.job.output_dir
+
+
 # numeric keys where every value of the type is meaningful
 ANY_VALUE = {("job", "seed")}
-CANDIDATES = (-1, 0, -0.5, 1.5, 2, 0.5, -2)
+CANDIDATES = (-1, 0, -0.5, 1.5, 2, 0.5, -2, -3, 5, 1e9)
+# each section's classes: the schema's, and every variant a registry puts in its place (an engine's, a task's, a
+# loss's own config class)
+VARIANTS = {"inference": [*engine_configs().values()], "task": [t.config_class for t in TASKS.values()]}
+VARIANTS["loss"] = [*LOSS_CONFIGS.values()]
+# the command line that selects a variant
+SELECT = {**{c: [f"--inference.engine={n}"] for n, c in engine_configs().items()}}
 
 
-def numeric_keys() -> list[tuple[str, str]]:
+def section_classes() -> list[tuple[str, type]]:
+    return [(s, c) for s, tp in sections().items() for c in VARIANTS.get(s, [tp])]
+
+
+def numeric_keys() -> list[tuple[str, type, str]]:
+    """(section, its class, key) of every int or float key of every section class, variants included."""
     out = []
-    for section, tp in _sections().items():
-        hints = typing.get_type_hints(tp)
-        out += [(section, f.name) for f in dataclasses.fields(tp) if hints[f.name] in (int, float)]
+    for section, cls in section_classes():
+        hints = typing.get_type_hints(cls)
+        out += [(section, cls, f.name) for f in dataclasses.fields(cls) if hints[f.name] in (int, float)]
     return out
 
 
+def rejected_value(cls: type, key: str) -> object | None:
+    """A value of `key` that the section's own `check()` names as impossible (None: every candidate is fine)."""
+    default = getattr(cls(), key)
+    for v in CANDIDATES:
+        if isinstance(v, type(default)) and key in {k for k, _ in cls(**{key: v}).check()}:
+            return v
+    return None
+
+
 def test_every_numeric_key_has_a_range_check():
-    """A numeric key added without a check would accept nonsense (a negative batch size) silently. The task's keys
-    are its own config's business (next test)."""
-    unchecked = [k for k in numeric_keys() if k not in _CHECKS and k not in ANY_VALUE and k[0] not in ("task", "loss")]
-    assert unchecked == [], f"add a check to config._CHECKS (or to ANY_VALUE here): {unchecked}"
+    """A numeric key added without a check would accept nonsense (a negative batch size) silently: each section's
+    `check()`, and each task's, loss's and engine's own config class's, names every numeric key (seeds aside) set to
+    some impossible value."""
+    unchecked = [
+        f"{s}.{k} ({c.__name__})"
+        for s, c, k in numeric_keys()
+        if (s, k) not in ANY_VALUE and not k.endswith("seed") and rejected_value(c, k) is None
+    ]
+    assert unchecked == [], f"add a check to the section's check() (or to ANY_VALUE here): {unchecked}"
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))
@@ -61,24 +93,28 @@ def test_every_loss_rejects_a_negative_value_of_each_numeric_key(name):
             assert f.name in {k for k, _ in cls(**{f.name: -1}).check()}, f"loss {name}: {f.name} = -1 accepted"
 
 
-@pytest.mark.parametrize("key", sorted(_CHECKS), ids=lambda k: ".".join(k))
-def test_an_impossible_value_names_its_key_and_what_it_must_be(key):
-    section, name = key
-    ok, must = _CHECKS[key]
-    default = getattr(getattr(Config(), section), name)
-    if isinstance(default, str):
-        bad: object = ""
-    else:
-        bad = next(v for v in CANDIDATES if isinstance(v, type(default)) and not ok(v))
+CHECKED = [
+    (s, c, k)
+    for s, c, k in numeric_keys()
+    if s not in ("task", "loss") and not k.endswith("seed") and rejected_value(c, k) is not None
+] + [
+    (s, c, f.name) for s, c in section_classes() if s == "warmstart" for f in dataclasses.fields(c) if f.name == "path"
+]
+
+
+@pytest.mark.parametrize("section, cls, key", CHECKED, ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_an_impossible_value_names_its_key_and_what_it_must_be(section, cls, key):
+    bad = "" if isinstance(getattr(cls(), key), str) else rejected_value(cls, key)
+    must = dict(cls(**{key: bad}).check())[key]
     with pytest.raises(ConfigError) as e:
-        load_config([f"--{section}.{name}={bad}"])
-    assert f"{section}.{name}" in str(e.value) and must in str(e.value) and "command line" in str(e.value)
+        load_config([*SELECT.get(cls, []), f"--{section}.{key}={bad}"])
+    assert f"{section}.{key}" in str(e.value) and must in str(e.value) and "command line" in str(e.value)
 
 
 def typed_keys() -> list[tuple[str, str]]:
     """Per section, its first numeric or boolean key."""
     out = []
-    for section, tp in _sections().items():
+    for section, tp in sections().items():
         hints = typing.get_type_hints(tp)
         out += [(section, f.name) for f in dataclasses.fields(tp) if hints[f.name] in (int, float, bool)][:1]
     return out
@@ -182,9 +218,9 @@ def test_resume_from_a_missing_or_partial_checkpoint_is_a_config_error(tmp_path)
     from pipelinerl_fsdp.checkpoint_layout import resume_point
 
     with pytest.raises(ConfigError, match=r"checkpoint\.resume_from = .*: no such folder"):
-        resume_point(load_config([f"--checkpoint.resume_from={tmp_path}/nowhere"]))
+        resume_point(*_ck(load_config([f"--checkpoint.resume_from={tmp_path}/nowhere"])))
     (tmp_path / "step-0000002").mkdir()
     with pytest.raises(ConfigError, match=r"checkpoint\.resume_from = .*: incomplete"):
-        resume_point(load_config([f"--checkpoint.resume_from={tmp_path}/step-0000002"]))
+        resume_point(*_ck(load_config([f"--checkpoint.resume_from={tmp_path}/step-0000002"])))
     with pytest.raises(ConfigError, match=r"checkpoint\.resume = 'required' but .* holds no intact checkpoint"):
-        resume_point(load_config(["--checkpoint.resume=required", f"--checkpoint.folder={tmp_path}"]))
+        resume_point(*_ck(load_config(["--checkpoint.resume=required", f"--checkpoint.folder={tmp_path}"])))

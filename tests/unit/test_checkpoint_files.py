@@ -14,6 +14,11 @@ from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.training.metrics import MetricsLogger
 
 
+def _ck(cfg):
+    """`resume_point`'s arguments: the checkpoint section and the job's output folder."""
+    return cfg.checkpoint, cfg.job.output_dir
+
+
 def fake_checkpoint(folder: Path, step: int, complete: bool = True) -> Path:
     path = folder / f"step-{step:07d}"
     path.mkdir(parents=True)
@@ -41,17 +46,17 @@ def test_newest_intact_skips_unfinished_and_damaged(tmp_path):
 
 def test_resume_modes(tmp_path):
     base = ["--config", "arithmetic", f"--checkpoint.folder={tmp_path}"]
-    assert resume_point(load_config(base)) == (None, [])  # auto, nothing there: a fresh start
+    assert resume_point(*_ck(load_config(base))) == (None, [])  # auto, nothing there: a fresh start
     with pytest.raises(ConfigError, match="checkpoint.resume = 'required' but .* holds no intact checkpoint"):
-        resume_point(load_config([*base, "--checkpoint.resume=required"]))
+        resume_point(*_ck(load_config([*base, "--checkpoint.resume=required"])))
     fake_checkpoint(tmp_path, 4)
     fake_checkpoint(tmp_path, 8)
-    assert resume_point(load_config(base))[0] == tmp_path / "step-0000008"
-    assert resume_point(load_config([*base, "--checkpoint.resume=off"]))[0] is None
-    chosen = resume_point(load_config([*base, f"--checkpoint.resume_from={tmp_path}/step-0000004"]))
+    assert resume_point(*_ck(load_config(base)))[0] == tmp_path / "step-0000008"
+    assert resume_point(*_ck(load_config([*base, "--checkpoint.resume=off"])))[0] is None
+    chosen = resume_point(*_ck(load_config([*base, f"--checkpoint.resume_from={tmp_path}/step-0000004"])))
     assert chosen[0] == tmp_path / "step-0000004"
     with pytest.raises(ConfigError, match="checkpoint.resume_from = .*step-0000009.*: no such folder"):
-        resume_point(load_config([*base, f"--checkpoint.resume_from={tmp_path}/step-0000009"]))
+        resume_point(*_ck(load_config([*base, f"--checkpoint.resume_from={tmp_path}/step-0000009"])))
 
 
 def test_a_resumed_logger_drops_the_failed_attempts_later_steps(tmp_path):
@@ -73,6 +78,7 @@ FULL_DISK_SAVE = """
 import resource, signal, sys
 import torch, torch.distributed as dist
 from pipelinerl_fsdp.training.checkpoint import save_checkpoint
+
 
 folder = sys.argv[1]
 # a file rendezvous: no port to race for with anything else on the machine

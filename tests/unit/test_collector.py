@@ -144,7 +144,7 @@ def test_stream_positions_per_engine_for_resume():
 
 
 def test_no_rollouts_is_a_named_error(monkeypatch):
-    from pipelinerl_fsdp.job import stopping
+    from pipelinerl_fsdp.runtime import stopping
 
     monkeypatch.setattr(stopping, "explains_failure", lambda wait_s=5.0: False)  # no stop signal comes
     src = FakeSource([])

@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 
-from pipelinerl_fsdp.job import cpu_binding
+from pipelinerl_fsdp.runtime import cpu_binding
 
 linux_only = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"), reason="needs Linux affinity"

@@ -15,9 +15,9 @@ import torch
 
 from pipelinerl_fsdp.config import ConfigError
 from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.engine_kinds import ENGINE_KINDS, EngineKind, engine_kind
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.factory import engine_class
-from pipelinerl_fsdp.inference.kinds import ENGINE_KINDS, EngineKind, engine_kind
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.rl import objectives
 from pipelinerl_fsdp.rl.loss import policy_loss
@@ -42,10 +42,10 @@ def test_the_docs_engine_example_is_selected_by_name_and_generates(tmp_path, mon
     with pytest.raises(ConfigError, match=r"inference\.engine = 'counting' is not one of 'reference', 'vllm'"):
         load_config(["--inference.engine=counting"])
     with mock.patch.dict(ENGINE_KINDS):
-        exec(block("# the entry in pipelinerl_fsdp/inference/kinds.py ENGINE_KINDS"), {
+        exec(block("# the entry in pipelinerl_fsdp/engine_kinds.py ENGINE_KINDS"), {
             "ENGINE_KINDS": ENGINE_KINDS, "EngineKind": EngineKind})  # fmt: skip
         cfg = load_config(["--config", "arithmetic", "--inference.engine=counting"])
-        kind = engine_kind(cfg)
+        kind = engine_kind(cfg.inference)
         cls = engine_class(kind)
     assert cls.__name__ == "CountingEngine" and not kind.own_processes
     args = flavour_args("debug", vocab_size=32)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelinerl_fsdp.job.faults import InjectedFault, maybe_fail
+from pipelinerl_fsdp.runtime.faults import InjectedFault, maybe_fail
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference import vllm_engine
 from pipelinerl_fsdp.inference.placement import VLLMPlacement
 from pipelinerl_fsdp.inference.vllm_extension import output_token_counts
-from pipelinerl_fsdp.job import gpus, world
+from pipelinerl_fsdp.job import world
+from pipelinerl_fsdp.runtime import gpus
 from pipelinerl_fsdp.transport import store_group
 from pipelinerl_fsdp.transport.device_waits import wait_on_host
 
@@ -103,7 +104,7 @@ def test_reference_engine_on_gpu_or_kept_on_cpu(monkeypatch):
 def test_cuda_requested_without_gpus_is_a_named_error(monkeypatch):
     monkeypatch.setattr(world, "gpu_count", lambda: 0)
     cfg = load_config(["--job.device=cuda"])
-    assert world.job_backend(cfg) == "gloo"
+    assert world.job_backend(cfg.world, cfg.job) == "gloo"
     for k, v in dict(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1).items():
         monkeypatch.setenv(k, str(v))
     with pytest.raises(ConfigError, match="job.device = 'cuda' but no GPU is visible"):

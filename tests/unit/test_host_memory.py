@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from pipelinerl_fsdp.job.host_memory import PeakAnon, anon_bytes
+from pipelinerl_fsdp.runtime.host_memory import PeakAnon, anon_bytes
 
 MB = 1 << 20
 

@@ -9,12 +9,14 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 
 from pipelinerl_fsdp import train
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference import worker as worker_mod
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.worker import InferenceWorker
+from pipelinerl_fsdp.job.weight_sync import WeightSyncLayout
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
 from pipelinerl_fsdp.samples import EvalReport
@@ -160,7 +162,8 @@ def run_mode(mode: str, *extra: str) -> tuple[FakeEngine, FakeTrainer]:
     )
     tok = build_char_tokenizer(ALPHABET)
     task = make_task(cfg.task)
-    inputs = JobInputs("", "", tok, task, [tok.eos_token_id], 16, 16 + cfg.task.max_new_tokens)
+    sync = WeightSyncLayout(engines_on_gpu=False, dtype=torch.float32, workers_join=False, bucket_group_size=2)
+    inputs = JobInputs("", "", tok, task, [tok.eos_token_id], 16, 16 + cfg.task.max_new_tokens, sync)
     world = types.SimpleNamespace(rank=1, inference_index=0, inference_ranks=[1], trainer_ranks=[0])
     engine, receiver = FakeEngine(cfg.inference.max_num_seqs), FakeReceiver()
     trainer = FakeTrainer(
@@ -230,7 +233,13 @@ def test_an_inference_rank_builds_its_task_and_tokenizer_once(model_folder, tmp_
         ]
     )
     world = types.SimpleNamespace(
-        rank=1, inference_index=0, inference_ranks=[1], trainer_ranks=[0], is_trainer=False, rollout_group=None
+        rank=1,
+        inference_index=0,
+        inference_ranks=[1],
+        trainer_ranks=[0],
+        is_trainer=False,
+        rollout_group=None,
+        backend="gloo",
     )
     receiver = FakeReceiver()
     trainer = FakeTrainer(receiver, cfg.rl.batch_size // cfg.rl.attempts, 1, cfg.rl.max_steps)

@@ -23,7 +23,7 @@ def fake_python(tmp: Path) -> Path:
     # the config query runs for real; the torchrun launch is printed
     return executable(
         tmp / "python",
-        f'#!/usr/bin/env bash\nif [ "$2" = pipelinerl_fsdp.job.launch ]; then exec {sys.executable} "$@"; fi\n'
+        f'#!/usr/bin/env bash\nif [ "$2" = pipelinerl_fsdp.launch ]; then exec {sys.executable} "$@"; fi\n'
         'echo "TORCHRUN node=${NODE_RANK:-0} $*"\n',
     )
 

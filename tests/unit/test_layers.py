@@ -74,8 +74,10 @@ def test_the_package_has_no_import_cycle():
     assert cycles(import_graph()) == []
 
 
-def test_the_config_schema_imports_nothing_of_ours():
-    assert import_graph()["pipelinerl_fsdp.config"] == set()
+def test_the_config_schema_imports_nothing_but_itself():
+    graph = import_graph()
+    config = {m for m in graph if unit(m) == "config"}
+    assert config and all(graph[m] <= config for m in config), {m: graph[m] - config for m in config}
 
 
 def test_each_module_imports_on_its_own():
@@ -114,3 +116,64 @@ def test_the_readme_layout_table_names_every_module():
         if not named:
             missing.append(rel)
     assert not missing, f"README.md's layout table does not name {missing}"
+
+
+# The package's floors, bottom first: a module imports only from floors below its own (never from its own floor's
+# other units, never from above). A unit is a subpackage or a top-level module; a new one must be given a floor.
+LAYERS: list[list[str]] = [
+    ["config"],  # the schema: depends on nothing of ours
+    ["runtime"],  # stopping, faults, processes, host memory, GPU counts, CPU binding
+    ["tokenizer", "samples", "models", "tools", "rewards", "engine_kinds", "checkpoint_layout"],
+    ["data", "episodes"],
+    ["rl", "tasks"],  # pure math of training; tasks and environments
+    ["transport", "preflight"],
+    ["job"],  # the world, its process groups, the weight sync's layout
+    ["job_inputs"],
+    ["inference"],
+    ["training"],
+    ["plan", "configure"],
+    ["train", "launch"],  # entry points
+]
+
+
+def unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def floor_of() -> dict[str, int]:
+    return {u: i for i, units in enumerate(LAYERS) for u in units}
+
+
+def upward_imports(graph: dict[str, set[str]], floors: dict[str, int]) -> list[str]:
+    """Imports from a unit to one on its own floor or above (`a -> b` with the module names)."""
+    out = []
+    for a, targets in sorted(graph.items()):
+        for b in sorted(targets):
+            ua, ub = unit(a), unit(b)
+            if "__init__" in (ua, ub) or ua == ub:
+                continue
+            if floors[ub] >= floors[ua]:
+                out.append(f"{a} -> {b} (floor {floors[ua]} -> {floors[ub]})")
+    return out
+
+
+def test_the_floor_checker_finds_an_upward_import():
+    floors = {"low": 0, "high": 1}
+    graph = {"p.low.a": {"p.high.b"}, "p.high.b": {"p.low.a"}}
+    assert upward_imports(graph, floors) == ["p.low.a -> p.high.b (floor 0 -> 1)"]
+
+
+def test_every_unit_has_a_floor():
+    units = {unit(m) for m in import_graph()} - {"__init__"}
+    assert units <= set(floor_of()), f"give these a floor in LAYERS: {sorted(units - set(floor_of()))}"
+
+
+def test_imports_only_point_down():
+    assert upward_imports(import_graph(), floor_of()) == []
+
+
+def test_no_two_units_import_each_other():
+    edges = {(unit(a), unit(b)) for a, bs in import_graph().items() for b in bs if unit(a) != unit(b)}
+    mutual = sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
+    assert mutual == [], f"units that import each other: {mutual}"

@@ -8,9 +8,9 @@ import torch
 
 from pipelinerl_fsdp.config import ConfigError
 from pipelinerl_fsdp.configure import load_config
-from pipelinerl_fsdp.job.plan import GIB, block_activation_elements, layout, make_plan, trainer_memory
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.models.decoder import Documents, rope_cos_sin
+from pipelinerl_fsdp.plan import GIB, block_activation_elements, layout, make_plan, trainer_memory
 
 MATH_7B = ["--config", "math", "--job.stage=plan", "--model.flavour=qwen2.5-7b"]
 
@@ -28,17 +28,16 @@ def test_math_toml_fits_80gb_and_would_not_without_checkpointing():
 def test_mixed_nodes_and_tensor_parallel_engines_are_placed_or_refused():
     base = ["--config", "math", "--job.stage=plan", "--model.flavour=qwen2.5-0.5b", "--plan.nodes=2"]
     cfg = load_config([*base, "--plan.gpus_per_node=4", "--world.inference_ranks=3"])
-    assert [(n.trainers, n.engines, n.gpus_needed) for n in layout(cfg)] == [(4, 0, 4), (1, 3, 4)]
+    assert [(n.trainers, n.engines, n.gpus_needed) for n in layout(cfg.plan, 3, 1)] == [(4, 0, 4), (1, 3, 4)]
     cfg = load_config([*base, "--plan.gpus_per_node=8", "--plan.procs_per_node=4", "--world.inference_ranks=3"])
-    cfg.inference.tensor_parallel_size = 2
-    assert [n.gpus_needed for n in layout(cfg)] == [4, 7]
+    assert [n.gpus_needed for n in layout(cfg.plan, 3, 2)] == [4, 7]
     cfg = load_config([*base, "--plan.gpus_per_node=4", "--world.inference_ranks=3"])
     cfg.inference.tensor_parallel_size = 2
     _, problems = make_plan(cfg)
     assert problems and "node(s) 1 need 7 GPUs and have 4" in problems[0]
     assert "the launch scripts start the same number of processes (4) on every node" in problems[0]
     with pytest.raises(ConfigError, match="world.inference_ranks = 8 must be in"):
-        layout(load_config([*base, "--plan.gpus_per_node=4", "--world.inference_ranks=8"]))
+        layout(load_config([*base, "--plan.gpus_per_node=4"]).plan, 8, 1)
 
 
 def test_async_mode_counts_its_staged_update_and_refuses_what_does_not_fit():
@@ -56,12 +55,12 @@ def test_async_mode_counts_its_staged_update_and_refuses_what_does_not_fit():
 def test_memory_items_follow_their_settings():
     cfg = load_config(MATH_7B)
     args = flavour_args("qwen2.5-7b")
-    base = trainer_memory(cfg, args, 80, checkpointing=True)
+    base = trainer_memory(cfg.trainer, args, 80, checkpointing=True)
     cfg.trainer.defer_grad_sync = True
-    deferred = trainer_memory(cfg, args, 80, checkpointing=True)
+    deferred = trainer_memory(cfg.trainer, args, 80, checkpointing=True)
     assert deferred["unsharded gradients (defer_grad_sync)"] / GIB == pytest.approx(4 * 7.6156e9 / GIB, rel=1e-3)
     assert base["unsharded gradients (defer_grad_sync)"] == 0
-    more_ranks = trainer_memory(cfg, args, 160, checkpointing=True)
+    more_ranks = trainer_memory(cfg.trainer, args, 160, checkpointing=True)
     assert more_ranks["AdamW state (fp32 shard)"] == pytest.approx(base["AdamW state (fp32 shard)"] / 2)
 
 

@@ -41,16 +41,16 @@ def test_longest_sequence_must_fit_the_micro_batch():
         ]
     )
     task = make_task(cfg.task)
-    prompt, total = sequence_limits(cfg, task, tok)
+    prompt, total = sequence_limits(cfg.tokenizer, cfg.task, task, tok)
     assert prompt == len("99+" * 7 + "99=") == 24 and total == 120
     with pytest.raises(
         ConfigError,
         match=r"trainer\.micro_batch_tokens = 100 is smaller than the longest "
         r"sequence: a prompt of up to 24 tokens .* task\.max_new_tokens = 96",
     ):
-        check_sequence_budget(cfg, task, tok)
+        check_sequence_budget(cfg.trainer, cfg.inference, cfg.tokenizer, cfg.task, task, tok)
     cfg.trainer.micro_batch_tokens = 120
-    check_sequence_budget(cfg, task, tok)  # exactly fits
+    check_sequence_budget(cfg.trainer, cfg.inference, cfg.tokenizer, cfg.task, task, tok)  # exactly fits
 
 
 def test_every_generated_prompt_is_within_the_longest_prompt():
@@ -63,20 +63,24 @@ def test_every_generated_prompt_is_within_the_longest_prompt():
 def test_tokenizer_folder_missing_is_a_named_error(tmp_path):
     cfg = load_config([])
     with pytest.raises(ConfigError, match=r"model\.path \(its tokenizer; or set tokenizer\.path\): .* holds no"):
-        tokenizer_folder(cfg, tmp_path)
+        tokenizer_folder(cfg.tokenizer, tmp_path)
     build_char_tokenizer(ALPHABET).save_pretrained(str(tmp_path / "tok"))
     cfg = load_config([f"--tokenizer.path={tmp_path / 'tok'}"])
-    assert tokenizer_folder(cfg, tmp_path) == str(tmp_path / "tok")  # tokenizer.path wins over the model folder
+    assert tokenizer_folder(cfg.tokenizer, tmp_path) == str(
+        tmp_path / "tok"
+    )  # tokenizer.path wins over the model folder
 
 
 def test_engine_max_len_from_the_data_or_the_config():
     cfg = load_config(["--config", "arithmetic"])
-    assert engine_max_len(cfg, 12) == 12 + cfg.task.max_new_tokens
+    assert engine_max_len(cfg.inference, cfg.task, 12) == 12 + cfg.task.max_new_tokens
     cfg = load_config(["--config", "arithmetic", "--inference.max_model_len=64"])
-    assert engine_max_len(cfg, 12) == 64
+    assert engine_max_len(cfg.inference, cfg.task, 12) == 64
     cfg = load_config(["--config", "arithmetic", "--inference.max_model_len=10"])
     with pytest.raises(ConfigError, match="inference.max_model_len = 10 is shorter"):
-        check_sequence_budget(cfg, make_task(cfg.task), build_char_tokenizer(ALPHABET))
+        check_sequence_budget(
+            cfg.trainer, cfg.inference, cfg.tokenizer, cfg.task, make_task(cfg.task), build_char_tokenizer(ALPHABET)
+        )
 
 
 def test_cuda_graphs_only_on_gpu():

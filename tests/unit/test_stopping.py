@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipelinerl_fsdp.config import RLConfig
-from pipelinerl_fsdp.job import stopping
-from pipelinerl_fsdp.job.stopping import StopRequested
+from pipelinerl_fsdp.runtime import stopping
+from pipelinerl_fsdp.runtime.stopping import StopRequested
 from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.training.collector import Collector
 from pipelinerl_fsdp.transport import weights
@@ -37,7 +37,7 @@ def stopped(monkeypatch):
 
 
 def run_script(body: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    code = "import os, signal, sys, time\nfrom pipelinerl_fsdp.job import stopping\n" + textwrap.dedent(body)
+    code = "import os, signal, sys, time\nfrom pipelinerl_fsdp.runtime import stopping\n" + textwrap.dedent(body)
     return subprocess.Popen(
         [sys.executable, "-c", code],
         cwd=ROOT,

@@ -5,7 +5,7 @@ import sys
 import time
 
 from pipelinerl_fsdp.inference.vllm_engine import versions_from_segments
-from pipelinerl_fsdp.job.processes import descendants, kill_descendants
+from pipelinerl_fsdp.runtime.processes import descendants, kill_descendants
 
 
 def test_versions_follow_the_boundaries():

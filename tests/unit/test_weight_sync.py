@@ -30,12 +30,14 @@ def test_each_buffer_slot_is_as_large_as_the_largest_bucket_it_carries():
 
 def test_the_plan_holds_a_7b_vocabulary_bucket_once_not_twice():
     from pipelinerl_fsdp.configure import load_config
-    from pipelinerl_fsdp.job.plan import weight_sync_buffers
     from pipelinerl_fsdp.models import flavour_args
+    from pipelinerl_fsdp.plan import weight_sync_buffers
 
     cfg = load_config(["--config", "math", "--job.stage=plan"])
     args = flavour_args("qwen2.5-7b")
-    send, receive, largest = weight_sync_buffers(cfg, args, sent_as_is=False)
+    send, receive, largest = weight_sync_buffers(
+        args, cfg.inference.dtype, cfg.world.weight_bucket_mb, sent_as_is=False
+    )
     vocab = args.vocab_size * args.hidden_size * 2  # bf16 embedding = head (untied), each its own bucket
     assert largest == vocab
     # slot 0 carries the embedding (first bucket); the head lands in one slot too: at most 2 x vocab, at least vocab

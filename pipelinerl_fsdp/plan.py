@@ -36,7 +36,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelinerl_fsdp.config import Config, ConfigError
+from pipelinerl_fsdp.config import (
+    Config,
+    ConfigError,
+    InferenceConfig,
+    ModelConfig,
+    PlanConfig,
+    TaskConfig,
+    TrainerConfig,
+)
+from pipelinerl_fsdp.inference.vllm_config import VLLMInferenceConfig
 from pipelinerl_fsdp.job.world import rank_layout
 from pipelinerl_fsdp.models.args import ModelArgs, flavour_args
 from pipelinerl_fsdp.models.hf_io import read_model_args
@@ -48,15 +57,15 @@ VLLM_ACTIVATIONS_GIB = 2.0
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def plan_model_args(cfg: Config) -> tuple[ModelArgs, str]:
+def plan_model_args(model: ModelConfig) -> tuple[ModelArgs, str]:
     """The model's shape and where it came from: `model.path`'s config.json, else `model.flavour`."""
-    config_json = Path(cfg.model.path) / "config.json" if cfg.model.path else None
+    config_json = Path(model.path) / "config.json" if model.path else None
     if config_json is not None and config_json.is_file():
-        return read_model_args(cfg.model.path), str(config_json)
+        return read_model_args(model.path), str(config_json)
     try:
-        return flavour_args(cfg.model.flavour), f"model.flavour = {cfg.model.flavour!r}"
+        return flavour_args(model.flavour), f"model.flavour = {model.flavour!r}"
     except ValueError as e:
-        raise ConfigError(f"plan: model.path has no config.json and {e} ({cfg.source})") from None
+        raise ConfigError(f"plan: model.path has no config.json and {e}") from None
 
 
 def block_activation_elements(args: ModelArgs) -> int:
@@ -77,13 +86,14 @@ def parameter_sizes(args: ModelArgs) -> list[tuple[str, int]]:
     return [(n, p.numel()) for n, p in model.named_parameters()]
 
 
-def weight_sync_buffers(cfg: Config, args: ModelArgs, sent_as_is: bool) -> tuple[int, int, int]:
+def weight_sync_buffers(args: ModelArgs, engine_dtype: str, bucket_mb: int, sent_as_is: bool) -> tuple[int, int, int]:
     """Bytes of (the first trainer's send buffers, an engine worker's receive buffers, the largest parameter) in
     the engine dtype, from the exact bucket layout (`transport/weights.py`). `sent_as_is`: one-tensor buckets go
-    from the parameter itself (a single trainer whose parameters are in the engine dtype) and need no buffer."""
-    ebytes = engine_dtype_bytes(cfg)
+    from the parameter itself (a single trainer whose parameters are in the engine dtype) and need no buffer.
+    `engine_dtype`: `inference.dtype`; `bucket_mb`: `world.weight_bucket_mb`."""
+    ebytes = engine_dtype_bytes(engine_dtype)
     sizes = parameter_sizes(args)
-    buckets = layer_buckets(sizes, ebytes, cfg.world.weight_bucket_mb * (1 << 20))
+    buckets = layer_buckets(sizes, ebytes, bucket_mb * (1 << 20))
     elements = [sum(sizes[i][1] for i in b) for b in buckets]
     used = [not (sent_as_is and len(b) == 1) for b in buckets]
     return (
@@ -93,14 +103,15 @@ def weight_sync_buffers(cfg: Config, args: ModelArgs, sent_as_is: bool) -> tuple
     )
 
 
-def engine_dtype_bytes(cfg: Config) -> int:
-    """Bytes per element of the engines' weights (and of the weight sync): "auto" is bf16 on GPU."""
-    return 2 if cfg.inference.dtype == "auto" else DTYPE_BYTES[cfg.inference.dtype]
+def engine_dtype_bytes(dtype: str) -> int:
+    """Bytes per element of the engines' weights (and of the weight sync), `inference.dtype`: "auto" is bf16 on
+    GPU."""
+    return 2 if dtype == "auto" else DTYPE_BYTES[dtype]
 
 
-def file_dtype_bytes(cfg: Config) -> int:
+def file_dtype_bytes(model: ModelConfig) -> int:
     """Bytes per element in `model.path`'s safetensors (config.json's dtype); public checkpoints are bf16."""
-    config_json = Path(cfg.model.path) / "config.json" if cfg.model.path else None
+    config_json = Path(model.path) / "config.json" if model.path else None
     if config_json is not None and config_json.is_file():
         import json
 
@@ -139,21 +150,20 @@ class NodeLayout:
     gpus_needed: int
 
 
-def procs_per_node(cfg: Config) -> int:
+def procs_per_node(pl: PlanConfig) -> int:
     """Processes on every node (torchrun --nproc-per-node): `plan.procs_per_node`, else one per GPU."""
-    return cfg.plan.procs_per_node or cfg.plan.gpus_per_node
+    return pl.procs_per_node or pl.gpus_per_node
 
 
-def layout(cfg: Config) -> list[NodeLayout]:
-    """Trainer and engine ranks per node (`world.rank_layout`, `plan.procs_per_node` per node)."""
-    pl, tp = cfg.plan, cfg.inference.tensor_parallel_size
-    procs = procs_per_node(cfg)
+def layout(pl: PlanConfig, n_inf: int, tp: int) -> list[NodeLayout]:
+    """Trainer and engine ranks per node (`world.rank_layout`, `plan.procs_per_node` per node) for
+    `world.inference_ranks` = `n_inf` engines of `tp` GPUs each."""
+    procs = procs_per_node(pl)
     world = pl.nodes * procs
-    n_inf = cfg.world.inference_ranks
     if not 0 < n_inf < world:
         raise ConfigError(
             f"plan: world.inference_ranks = {n_inf} must be in [1, {world - 1}] for {pl.nodes} node(s) x "
-            f"{procs} processes ({cfg.source})"
+            f"{procs} processes"
         )
     trainer_ranks = set(rank_layout(world, n_inf)[0])  # the job's rule (world.py)
     out = []
@@ -165,9 +175,18 @@ def layout(cfg: Config) -> list[NodeLayout]:
     return out
 
 
-def trainer_memory(cfg: Config, args: ModelArgs, n_trainers: int, checkpointing: bool) -> dict[str, float]:
-    """Bytes per trainer GPU by item (see the module docstring)."""
-    tr = cfg.trainer
+def trainer_memory(
+    tr: TrainerConfig,
+    args: ModelArgs,
+    n_trainers: int,
+    checkpointing: bool,
+    *,
+    engine_dtype: str = "auto",
+    bucket_mb: int = 64,
+    kl_reference: bool = False,
+) -> dict[str, float]:
+    """Bytes per trainer GPU by item (see the module docstring). `engine_dtype`: `inference.dtype`, `bucket_mb`:
+    `world.weight_bucket_mb`, `kl_reference`: `rl.kl_coef > 0` (a frozen copy of the policy is kept)."""
     p = args.num_params()
     h, v, layers = args.hidden_size, args.vocab_size, args.num_hidden_layers
     root = v * h * (1 if args.tie_word_embeddings else 2) + h
@@ -175,10 +194,10 @@ def trainer_memory(cfg: Config, args: ModelArgs, n_trainers: int, checkpointing:
     pbytes = 4 if tr.param_dtype == "float32" else 2  # "auto" on GPU: bf16
     fp32_head = tr.fp32_head == "on" or (tr.fp32_head == "auto" and pbytes < 4)
     rbytes = DTYPE_BYTES[tr.reduce_dtype]
-    ebytes = engine_dtype_bytes(cfg)
+    ebytes = engine_dtype_bytes(engine_dtype)
     t = tr.micro_batch_tokens
     # FSDP2 keeps the sharded (master) parameters in fp32 whatever param_dtype: only an fp32 engine takes them as-is
-    send, _, largest = weight_sync_buffers(cfg, args, sent_as_is=n_trainers == 1 and ebytes == 4)
+    send, _, largest = weight_sync_buffers(args, engine_dtype, bucket_mb, sent_as_is=n_trainers == 1 and ebytes == 4)
     act = block_activation_elements(args) * pbytes
     if checkpointing:
         every = tr.ac_every
@@ -190,7 +209,7 @@ def trainer_memory(cfg: Config, args: ModelArgs, n_trainers: int, checkpointing:
         "parameters (fp32 shard)": 4 * p / n_trainers,
         "gradients (fp32 shard)": 4 * p / n_trainers,
         "AdamW state (fp32 shard)": 8 * p / n_trainers,
-        "KL reference (fp32 shard)": 4 * p / n_trainers if cfg.rl.kl_coef > 0 else 0.0,
+        "KL reference (fp32 shard)": 4 * p / n_trainers if kl_reference else 0.0,
         "gathered blocks (2) + block gradient": 2 * block * pbytes + block * rbytes,
         f"root: embeddings + head ({'fp32' if fp32_head else 'param dtype'})": root * (4 if fp32_head else pbytes),
         "unsharded gradients (defer_grad_sync)": 4 * p if tr.defer_grad_sync else 0.0,
@@ -204,16 +223,24 @@ def trainer_memory(cfg: Config, args: ModelArgs, n_trainers: int, checkpointing:
     return out
 
 
-def engine_memory(cfg: Config, args: ModelArgs, max_model_len: int) -> tuple[dict[str, float], int, int]:
-    """(bytes per engine GPU by item, KV-cache tokens that fit, tokens the engine's slots can ask for)."""
-    inf = cfg.inference
+def engine_memory(
+    inf: VLLMInferenceConfig,
+    args: ModelArgs,
+    max_model_len: int,
+    gpu_memory_gib: float,
+    bucket_mb: int,
+    staged_update: bool,
+) -> tuple[dict[str, float], int, int]:
+    """(bytes per engine GPU by item, KV-cache tokens that fit, tokens the engine's slots can ask for) on a GPU of
+    `plan.gpu_memory_gib`. `bucket_mb`: `world.weight_bucket_mb`; `staged_update`: async mode (a whole update held
+    until loaded)."""
     tp = inf.tensor_parallel_size
-    gpu = cfg.plan.gpu_memory_gib * GIB
-    ebytes = engine_dtype_bytes(cfg)
+    gpu = gpu_memory_gib * GIB
+    ebytes = engine_dtype_bytes(inf.dtype)
     p = args.num_params()
     h, v = args.hidden_size, args.vocab_size
     root = v * h * (1 if args.tie_word_embeddings else 2) + h
-    _, receive, _ = weight_sync_buffers(cfg, args, sent_as_is=False)
+    _, receive, _ = weight_sync_buffers(args, inf.dtype, bucket_mb, sent_as_is=False)
     weights = p * ebytes / tp
     hd = args.head_dim or args.hidden_size // args.num_attention_heads
     kv_per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * hd * ebytes / tp
@@ -227,22 +254,20 @@ def engine_memory(cfg: Config, args: ModelArgs, max_model_len: int) -> tuple[dic
         "weight sync: receive buffers (2 slots) + vocabulary copies": receive + root * ebytes,
         # async mode receives a whole update while generating and loads it later: every worker holds one full copy
         # (HF shapes, not its tensor-parallel shard), outside vLLM's budget
-        "weight sync: a whole staged update (rl.mode = 'async')": p * ebytes if cfg.rl.mode == "async" else 0.0,
+        "weight sync: a whole staged update (rl.mode = 'async')": p * ebytes if staged_update else 0.0,
         "CUDA context, allocator": CUDA_CONTEXT_GIB * GIB,
     }
     return items, int(kv // kv_per_token), inf.max_num_seqs * max_model_len
 
 
-def engine_max_model_len(cfg: Config) -> int:
+def engine_max_model_len(inf: InferenceConfig, task: TaskConfig) -> int:
     """The engines' max_model_len as the plan can know it without reading the data."""
-    if cfg.inference.max_model_len:
-        return cfg.inference.max_model_len
-    cap = getattr(cfg.task, "max_prompt_tokens", 0)
+    if inf.max_model_len:
+        return inf.max_model_len
+    cap = getattr(task, "max_prompt_tokens", 0)
     if not cap:
-        raise ConfigError(
-            f"plan: set inference.max_model_len or task.max_prompt_tokens (the engines' sequence length) ({cfg.source})"
-        )
-    return cap + cfg.task.max_new_tokens
+        raise ConfigError("plan: set inference.max_model_len or task.max_prompt_tokens (the engines' sequence length)")
+    return cap + task.max_new_tokens
 
 
 def _total(items: dict[str, float]) -> float:
@@ -251,10 +276,13 @@ def _total(items: dict[str, float]) -> float:
 
 def make_plan(cfg: Config) -> tuple[str, list[str]]:
     """The plan as text, and the reasons it does not fit (empty: it fits)."""
-    args, source = plan_model_args(cfg)
+    inf = cfg.inference
+    if not isinstance(inf, VLLMInferenceConfig):
+        raise ConfigError(f"plan: lays out vLLM engines on GPUs; inference.engine = {inf.engine!r}")
+    args, source = plan_model_args(cfg.model)
     pl = cfg.plan
     gpu = pl.gpu_memory_gib * GIB
-    nodes = layout(cfg)
+    nodes = layout(pl, cfg.world.inference_ranks, inf.tensor_parallel_size)
     n_trainers = sum(n.trainers for n in nodes)
     problems = []
     lines = [
@@ -274,22 +302,24 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
         n = run[0]
         name = f"{n.node}" if len(run) == 1 else f"{n.node}-{run[-1].node}"
         lines.append(
-            f"| {name} | {n.trainers} | {n.engines} (x{cfg.inference.tensor_parallel_size}) | "
+            f"| {name} | {n.trainers} | {n.engines} (x{inf.tensor_parallel_size}) | "
             f"{n.gpus_needed} of {pl.gpus_per_node} |"
         )
         if n.gpus_needed > pl.gpus_per_node:
             why = ""
-            if n.engines and cfg.inference.tensor_parallel_size > 1:
+            if n.engines and inf.tensor_parallel_size > 1:
                 why = (
-                    f": each engine rank takes {cfg.inference.tensor_parallel_size} GPUs (tensor_parallel_size), "
-                    f"and the launch scripts start the same number of processes ({procs_per_node(cfg)}) on every "
+                    f": each engine rank takes {inf.tensor_parallel_size} GPUs (tensor_parallel_size), "
+                    f"and the launch scripts start the same number of processes ({procs_per_node(pl)}) on every "
                     "node, so engine nodes cannot be filled by fewer, wider ranks; lower plan.procs_per_node "
                     "(NPROC_PER_NODE) on every node, or inference.tensor_parallel_size"
                 )
             problems.append(f"node(s) {name} need {n.gpus_needed} GPUs and have {pl.gpus_per_node}{why}")
     lines.append("")
     ac = cfg.trainer.activation_checkpointing == "full"
-    plain, ckpt = trainer_memory(cfg, args, n_trainers, False), trainer_memory(cfg, args, n_trainers, True)
+    sync = {"engine_dtype": inf.dtype, "bucket_mb": cfg.world.weight_bucket_mb, "kl_reference": cfg.rl.kl_coef > 0}
+    plain = trainer_memory(cfg.trainer, args, n_trainers, False, **sync)
+    ckpt = trainer_memory(cfg.trainer, args, n_trainers, True, **sync)
     chosen = ckpt if ac else plain
     lines += [
         f"trainer GPU (FSDP2 over {n_trainers} ranks; trainer.activation_checkpointing = "
@@ -302,18 +332,20 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
     lines.append(f"| **total** | **{_total(chosen) / GIB:.2f}** of {pl.gpu_memory_gib:g} |")
     other = "with" if not ac else "without"
     lines.append(f"| (total {other} activation checkpointing) | {_total(ckpt if not ac else plain) / GIB:.2f} |")
-    host = sum(load_host_memory(args, n_trainers, file_dtype_bytes(cfg), 4, on_gpu=True).values())
+    host = sum(load_host_memory(args, n_trainers, file_dtype_bytes(cfg.model), 4, on_gpu=True).values())
     lines.append(f"| (host memory per trainer rank while loading its shards; not on the GPU) | {host / GIB:.2f} |")
     if _total(chosen) > gpu:
         problems.append(
             f"a trainer GPU needs {_total(chosen) / GIB:.1f} GiB of {pl.gpu_memory_gib:g} (lower "
             "trainer.micro_batch_tokens, set trainer.activation_checkpointing = 'full', or add trainer ranks)"
         )
-    max_len = engine_max_model_len(cfg)
-    eng, kv_tokens, wanted = engine_memory(cfg, args, max_len)
+    max_len = engine_max_model_len(inf, cfg.task)
+    eng, kv_tokens, wanted = engine_memory(
+        inf, args, max_len, pl.gpu_memory_gib, cfg.world.weight_bucket_mb, staged_update=cfg.rl.mode == "async"
+    )
     lines += [
         "",
-        f"engine GPU (vLLM, tensor_parallel_size {cfg.inference.tensor_parallel_size}, max_model_len {max_len}):",
+        f"engine GPU (vLLM, tensor_parallel_size {inf.tensor_parallel_size}, max_model_len {max_len}):",
         "",
         "| item | GiB |",
         "|---|---|",
@@ -322,7 +354,7 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
     lines.append(f"| **total** | **{_total(eng) / GIB:.2f}** of {pl.gpu_memory_gib:g} |")
     lines.append(
         f"| KV-cache tokens that fit | {kv_tokens} ({kv_tokens / max(wanted, 1):.2f}x the {wanted} that "
-        f"max_num_seqs {cfg.inference.max_num_seqs} x max_model_len {max_len} can ask for) |"
+        f"max_num_seqs {inf.max_num_seqs} x max_model_len {max_len} can ask for) |"
     )
     if _total(eng) > gpu:
         problems.append(

@@ -1,7 +1,7 @@
 """What the launch scripts need from the config before torchrun starts (the config checked on the way, so that a
 bad key fails here, in one process, with its name):
 
-    python -m pipelinerl_fsdp.job.launch max-restarts [--config NAME] [--section.key=value ...]
+    python -m pipelinerl_fsdp.launch max-restarts [--config NAME] [--section.key=value ...]
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ QUERIES = {"max-restarts": lambda cfg: cfg.job.max_restarts}
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in QUERIES:
-        print(
-            f"usage: python -m pipelinerl_fsdp.job.launch {{{','.join(QUERIES)}}} [config arguments]", file=sys.stderr
-        )
+        print(f"usage: python -m pipelinerl_fsdp.launch {{{','.join(QUERIES)}}} [config arguments]", file=sys.stderr)
         return 2
     try:
         cfg = load_config(argv[1:])

@@ -1,0 +1,73 @@
+"""The cross-key rules: values that are fine alone but not together (a batch of whole groups, waves that divide
+it, a mode and its evaluations, ...). Each raises a `ConfigError` naming the keys; the loader appends the source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipelinerl_fsdp.config.errors import ConfigError
+from pipelinerl_fsdp.config.schema import Config
+
+
+def check_rules(cfg: Config) -> None:
+    """Rules across keys and sections that do not depend on the world size (configure.validate_world does)."""
+    rl = cfg.rl
+    if not cfg.eval.pass_k or any(not 1 <= k <= cfg.eval.samples for k in cfg.eval.pass_k):
+        raise ConfigError(
+            f"eval.pass_k = {cfg.eval.pass_k} must list k values in [1, eval.samples = {cfg.eval.samples}]"
+        )
+    if cfg.inference.max_num_seqs < rl.attempts:
+        raise ConfigError(
+            f"inference.max_num_seqs = {cfg.inference.max_num_seqs} must be >= rl.attempts = "
+            f"{rl.attempts}: a group is generated on one engine"
+        )
+    if rl.batch_size % rl.attempts:
+        raise ConfigError(
+            f"rl.batch_size = {rl.batch_size} must be a multiple of rl.attempts = {rl.attempts}: "
+            f"a step trains on whole groups (their advantages share a baseline)"
+        )
+    if (rl.batch_size // rl.attempts) % rl.waves:
+        raise ConfigError(
+            f"rl.waves = {rl.waves} must divide the {rl.batch_size // rl.attempts} groups of a step "
+            f"(rl.batch_size = {rl.batch_size} / rl.attempts = {rl.attempts}): each part is whole groups"
+        )
+    if cfg.loss.normalize == "tokens" and rl.waves > 1:
+        raise ConfigError(
+            f"loss.normalize = 'tokens' divides by the step's completion tokens, which are known only once the whole "
+            f"batch is in: it needs rl.waves = 1 (got {rl.waves})"
+        )
+    if cfg.job.stage == "rl" and cfg.inference.top_p < 1:
+        # Both samplers return log-probs of the renormalised nucleus, the trainer those of the full softmax: the
+        # importance ratio would be wrong even at zero lag.
+        raise ConfigError(
+            f"inference.top_p = {cfg.inference.top_p} < 1 is not supported for training rollouts: "
+            "the engine's log-probs would be those of the truncated nucleus while the trainer scores "
+            f"the full distribution, so importance weights are off even on-policy"
+        )
+    if rl.mode == "conventional" and rl.filter_zero_advantage:
+        raise ConfigError(
+            "rl.mode = 'conventional' generates exactly the samples of its sync_every steps, so "
+            "rl.filter_zero_advantage = true would leave the trainer short of data"
+        )
+    if (
+        rl.mode == "conventional"
+        and cfg.eval.every
+        and (cfg.eval.every % rl.sync_every or rl.max_steps % rl.sync_every)
+    ):
+        # engines load only the versions synced after each round (multiples of sync_every): any other version due
+        # for evaluation, the final one included, would never be loaded, and its evaluation never happen
+        raise ConfigError(
+            f"rl.mode = 'conventional' loads only every rl.sync_every = {rl.sync_every}-th version: eval.every = "
+            f"{cfg.eval.every} and rl.max_steps = {rl.max_steps} must be multiples of it, or the evaluations due "
+            f"at other versions would never run"
+        )
+    if rl.mode == "conventional" and cfg.checkpoint.interval % rl.sync_every:
+        raise ConfigError(
+            f"rl.mode = 'conventional': checkpoint.interval = {cfg.checkpoint.interval} must be a "
+            f"multiple of rl.sync_every = {rl.sync_every} (checkpoints between rounds)"
+        )
+    for key in ("model.path", "tokenizer.path") if cfg.job.stage != "plan" else ():  # a plan reads no weights
+        sec, name = key.split(".")
+        path = getattr(getattr(cfg, sec), name)
+        if path and not Path(path).is_dir():
+            raise ConfigError(f"{key} = {path!r}: no such folder")
