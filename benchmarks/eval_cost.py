@@ -29,7 +29,16 @@ def job_side(cfg, task, tokenizer, stops, max_len: int, cores: str, repeats: int
     from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine
 
     inf = cfg.inference
-    evaluator = EngineEvaluator(cfg, task, tokenizer, 0, 1)
+    evaluator = EngineEvaluator(
+        cfg.eval,
+        cfg.tokenizer,
+        task,
+        tokenizer,
+        0,
+        1,
+        final_version=cfg.rl.max_steps,
+        max_new_tokens=cfg.task.max_new_tokens,
+    )
     engine = VLLMEngine(
         cfg.model.path,
         inf.max_num_seqs,
@@ -135,7 +144,16 @@ def main() -> None:
     stops = stop_token_ids(cfg.model.path, tokenizer)
     _, max_len = sequence_limits(cfg.tokenizer, cfg.task, task, tokenizer)
     # the evaluator's requests in its order: every set's problems x samples
-    probe = EngineEvaluator(cfg, task, tokenizer, 0, 1)
+    probe = EngineEvaluator(
+        cfg.eval,
+        cfg.tokenizer,
+        task,
+        tokenizer,
+        0,
+        1,
+        final_version=cfg.rl.max_steps,
+        max_new_tokens=cfg.task.max_new_tokens,
+    )
     probe.start(0)
     prompts = [list(r.prompt_ids) for r in probe.queue]
 

@@ -25,20 +25,21 @@ def load_config(argv: list[str] | None = None) -> Config:
         "inference.engine": engine_configs(),
     }
     cfg = parse_config(argv, variants)
-    with named_source(cfg):
+    with named_source(cfg.source):
         if not cfg.model.path:
             check_choice("model.flavour", cfg.model.flavour, FLAVOURS)
     return cfg
 
 
 @contextmanager
-def named_source(cfg: Config) -> Iterator[None]:
-    """`with named_source(cfg):` a `ConfigError` raised inside leaves naming where the values came from (the files,
-    the command line): the boundary appends it once, so the code that finds a problem needs only its sections."""
+def named_source(source: str) -> Iterator[None]:
+    """`with named_source(cfg.source):` a `ConfigError` raised inside leaves naming where the values came from (the
+    files, the command line): the boundary appends it once, so the code that finds a problem needs only its
+    sections."""
     try:
         yield
     except ConfigError as e:
-        raise ConfigError(f"{e} ({cfg.source})") from None
+        raise ConfigError(f"{e} ({source})") from None
 
 
 def validate_world(cfg: Config, world_size: int) -> None:

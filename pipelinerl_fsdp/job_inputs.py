@@ -10,6 +10,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from pipelinerl_fsdp.checkpoint_layout import resume_point
 from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.job.weight_sync import WeightSyncLayout, weight_sync_layout
 from pipelinerl_fsdp.job.world import World
@@ -39,7 +40,9 @@ class JobInputs:
 
 
 def build_job_inputs(cfg: Config, model_path: str | Path, world: World) -> JobInputs:
-    """Load and check the job's inputs (a `ConfigError` names what does not fit)."""
+    """Load and check the job's inputs (a `ConfigError` names what does not fit), and the checkpoint to resume from
+    (`checkpoint.resume = "required"` with nothing to resume, or a bad `resume_from`, is named here)."""
+    resume_point(cfg.checkpoint, cfg.job.output_dir)
     folder = tokenizer_folder(cfg.tokenizer, model_path)
     tokenizer = load_tokenizer(folder)
     task = make_task(cfg.task)

@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 import traceback
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +17,6 @@ from pipelinerl_fsdp.job.world import World, init_world, job_flags, shutdown
 from pipelinerl_fsdp.runtime import stopping
 from pipelinerl_fsdp.runtime.processes import kill_descendants
 from pipelinerl_fsdp.runtime.stopping import StopRequested
-
-if TYPE_CHECKING:
-    from pipelinerl_fsdp.job_inputs import JobInputs
 
 
 def run_rl(cfg: Config, world: World) -> None:
@@ -49,7 +45,9 @@ def run_rl(cfg: Config, world: World) -> None:
             # failed trainer ends the job (torchrun stops this rank), so this wait needs no deadline of its own.
             job_flags(cfg.world.timeout_s).wait(["warmstart_done"], datetime.timedelta(days=7))
         path = cfg.warmstart.path
-    inputs = preflight_rl(cfg, path, world)
+    from pipelinerl_fsdp.job_inputs import build_job_inputs
+
+    inputs = build_job_inputs(cfg, path, world)  # every rank, before any engine starts
     bind_cpu_cores(cfg.job, cfg.inference, world)
     bucket = cfg.world.weight_bucket_mb * 1024**2
     if world.is_trainer:
@@ -70,19 +68,6 @@ def bind_cpu_cores(job: JobConfig, inference: InferenceConfig, world: World) -> 
     cores = rank_cores(inference, job.threads_per_rank, world)
     if cores and cpu_binding.bind(cores) and not job.threads_per_rank:
         torch.set_num_threads(len(cores))
-
-
-def preflight_rl(cfg: Config, model_path: str, world: World) -> JobInputs:
-    """Every rank, before any engine starts: the job's inputs (one tokenizer, the task, the sequence budget and
-    vocabulary checked against them), and the checkpoint to resume from, if one is required."""
-    from pipelinerl_fsdp.checkpoint_layout import resume_point
-    from pipelinerl_fsdp.job_inputs import build_job_inputs
-
-    inputs = build_job_inputs(cfg, model_path, world)
-    resume_point(
-        cfg.checkpoint, cfg.job.output_dir
-    )  # checkpoint.resume = "required" with nothing to resume, a bad resume_from: named here
-    return inputs
 
 
 def run(cfg: Config) -> None:
@@ -119,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         from pipelinerl_fsdp.plan import make_plan
 
         try:
-            with named_source(cfg):
+            with named_source(cfg.source):
                 text, problems = make_plan(cfg)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr, flush=True)
@@ -127,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(text, flush=True)
         return 1 if problems else 0
     try:
-        with named_source(cfg):  # a ConfigError raised by any stage names where the values came from
+        with named_source(cfg.source):  # a ConfigError raised by any stage names where the values came from
             run(cfg)
     except StopRequested as e:
         print(f"[rank {os.environ.get('RANK', '0')}] {e}", flush=True)

@@ -141,14 +141,10 @@ def parse_overrides(args: list[str]) -> list[tuple[list[str], str]]:
     return out
 
 
-def _override_as_table(cfg: Config, parts: list[str], raw: str) -> dict[str, Any]:
-    """One command-line override as the nested table a TOML file would hold (typed through the annotation)."""
-    known = sections()
-    if parts[0] not in known:
-        raise ConfigError(
-            f"unknown section [{parts[0]}] in command line --{'.'.join(parts)}; known sections: {', '.join(known)}"
-        )
-    obj: Any = getattr(cfg, parts[0])
+def _override_as_table(section: Any, parts: list[str], raw: str) -> dict[str, Any]:
+    """One command-line override of a key of `section` (the object of `parts[0]`) as the nested table a TOML file
+    would hold (typed through the annotation)."""
+    obj: Any = section
     tp: Any = str
     for j, key in enumerate(parts[1:], 1):
         hints = typing.get_type_hints(type(obj))
@@ -172,17 +168,16 @@ def resolve_config_path(name: str) -> Path:
     raise ConfigError(f"--config {name}: no such file (looked at {', '.join(str(c) for c in candidates)})")
 
 
-def _select_variant(cfg: Config, key: str, name: Any, source: str, classes: Mapping[str, type]) -> None:
-    """Replace the section of `key` ("task.name", "loss.name", "inference.engine") by the named entry's own config
-    class (its defaults); the values are applied after."""
-    section = key.split(".")[0]
+def _variant(key: str, name: Any, source: str, classes: Mapping[str, type]) -> Any:
+    """The section that `key` ("task.name", "loss.name", "inference.engine") selects: the named entry's own config
+    class with its defaults (the values are applied after)."""
     if not isinstance(name, str):
         raise ConfigError(f"{key}: expected str, got {name!r} ({source})")
     try:
         check_choice(key, name, classes)
     except ConfigError as e:
         raise ConfigError(f"{e} ({source})") from None
-    setattr(cfg, section, classes[name]())
+    return classes[name]()
 
 
 def _take_config_arg(argv: list[str]) -> str | None:
@@ -229,11 +224,16 @@ def parse_config(argv: list[str], variants: Mapping[str, Mapping[str, type]]) ->
         for parts, raw in overrides:
             if parts == [section, selector]:
                 name, name_source = raw, "command line"
-        _select_variant(cfg, key, name, name_source, classes)
+        setattr(cfg, section, _variant(key, name, name_source, classes))
     for data, source in layers:
         _apply(cfg, data, source)
     for parts, raw in overrides:
-        _apply(cfg, _override_as_table(cfg, parts, raw), "command line")
+        if parts[0] not in sections():
+            raise ConfigError(
+                f"unknown section [{parts[0]}] in command line --{'.'.join(parts)}; known sections: "
+                f"{', '.join(sections())}"
+            )
+        _apply(cfg, _override_as_table(getattr(cfg, parts[0]), parts, raw), "command line")
     sources = [src for _, src in layers] + (["command line"] if overrides else [])
     cfg.source = " + ".join(sources) or "defaults"
     try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from pipelinerl_fsdp.config import Config
+from pipelinerl_fsdp.config import EvalConfig, TokenizerConfig
 from pipelinerl_fsdp.inference.engine import Engine, Request
 from pipelinerl_fsdp.inference.turns import scored_text
 from pipelinerl_fsdp.rewards.scorer import Scorer
@@ -39,22 +39,28 @@ class _Job:
 class EngineEvaluator:
     def __init__(
         self,
-        cfg: Config,
+        ev: EvalConfig,
+        tok: TokenizerConfig,
         task: Task,
         tokenizer: PreTrainedTokenizerBase,
         engine_index: int,
         n_engines: int,
+        *,
+        final_version: int,
+        max_new_tokens: int,
         max_prompt_tokens: int = 0,
     ) -> None:
-        self.cfg, self.task = cfg, task
-        ev = cfg.eval
+        """This engine's share (`engine_index` of `n_engines`) of every evaluation set of `task`; `final_version`
+        (`rl.max_steps`) is always evaluated; completions get `max_new_tokens` (`task.max_new_tokens`)."""
+        self.ev, self.task = ev, task
+        self.final_version, self.max_new_tokens = final_version, max_new_tokens
         self.every, self.samples = ev.every, ev.samples
         # this engine's share of each set: (problem index, prompt ids, gold answer); too-long prompts left out
         self.shares: list[list[tuple[int, list[int], str]]] = []
         for problems in task.eval_sets().values():
             share = []
             for i in range(engine_index, len(problems), n_engines):
-                ids = encode_prompt(tokenizer, problems[i].prompt, cfg.tokenizer)
+                ids = encode_prompt(tokenizer, problems[i].prompt, tok)
                 if not max_prompt_tokens or len(ids) <= max_prompt_tokens:
                     share.append((i, ids, problems[i].answer))
             self.shares.append(share)
@@ -67,14 +73,14 @@ class EngineEvaluator:
     def due(self, version: int) -> bool:
         if not self.every or not self.shares or version in self._started:
             return False
-        final = version == self.cfg.rl.max_steps
-        return final or (version % self.every == 0 and (version > 0 or self.cfg.eval.at_start))
+        final = version == self.final_version
+        return final or (version % self.every == 0 and (version > 0 or self.ev.at_start))
 
     def start(self, version: int) -> list[EvalReport]:
         """Queue the requests of every set for `version`; returns the reports already complete (empty shares)."""
         self._started.add(version)
         ready = []
-        ev = self.cfg.eval
+        ev = self.ev
         for s, share in enumerate(self.shares):
             key = (s, version)
             report = EvalReport(s, version, self.samples, [i for i, _, _ in share], [0] * len(share))
@@ -93,7 +99,7 @@ class EngineEvaluator:
                         Request(
                             rid,
                             ids,
-                            self.cfg.task.max_new_tokens,
+                            self.max_new_tokens,
                             temperature=ev.temperature,
                             top_p=ev.top_p,
                             episode=episode,

@@ -101,7 +101,17 @@ class InferenceWorker:
         per_round = cfg.rl.sync_every * cfg.rl.batch_size // cfg.rl.attempts
         self._quota = per_round // n_inf + (world.inference_index < per_round % n_inf)
         self._round_left = self._quota
-        self.evaluator = EngineEvaluator(cfg, self.task, self.tokenizer, world.inference_index, n_inf, self._max_prompt)
+        self.evaluator = EngineEvaluator(
+            cfg.eval,
+            cfg.tokenizer,
+            self.task,
+            self.tokenizer,
+            world.inference_index,
+            n_inf,
+            final_version=cfg.rl.max_steps,
+            max_new_tokens=cfg.task.max_new_tokens,
+            max_prompt_tokens=self._max_prompt,
+        )
         resume_from, _ = resume_point(
             cfg.checkpoint, cfg.job.output_dir
         )  # the trainer's choice: the same answer from the same folder

@@ -29,7 +29,16 @@ def test_reports_count_correct_samples_per_problem(engine_index: int, n_engines:
         asked.append(gold)
         return float(gold in rewarded)
 
-    evaluator = EngineEvaluator(cfg, task, tok, engine_index, n_engines)
+    evaluator = EngineEvaluator(
+        cfg.eval,
+        cfg.tokenizer,
+        task,
+        tok,
+        engine_index,
+        n_engines,
+        final_version=cfg.rl.max_steps,
+        max_new_tokens=cfg.task.max_new_tokens,
+    )
     args = flavour_args("debug", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
     engine = ReferenceEngine(build_model(args, seed=0), 4, 64, eos_ids=[tok.eos_token_id], temperature=1.0)
     [report] = evaluate_alone(evaluator, engine, InlineScorer(reward), tok, [tok.eos_token_id], 5, 4)
@@ -44,7 +53,16 @@ def test_reports_count_correct_samples_per_problem(engine_index: int, n_engines:
 def test_evaluation_ids_are_above_rollout_ids():
     cfg = load_config(["--config", "arithmetic", "--eval.every=1", "--task.eval_size=4"])
     task = make_task(cfg.task)
-    evaluator = EngineEvaluator(cfg, task, build_char_tokenizer(ALPHABET), 0, 1)
+    evaluator = EngineEvaluator(
+        cfg.eval,
+        cfg.tokenizer,
+        task,
+        build_char_tokenizer(ALPHABET),
+        0,
+        1,
+        final_version=cfg.rl.max_steps,
+        max_new_tokens=cfg.task.max_new_tokens,
+    )
     evaluator.start(1)
     rids = [r.request_id for r in evaluator.queue]
     assert len(rids) == 4 and min(rids) >= EVAL_RID_BASE and all(evaluator.owns(r) for r in rids)
