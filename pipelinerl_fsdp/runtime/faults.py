@@ -28,7 +28,7 @@ class InjectedFault(RuntimeError):
 
 
 def _first_attempt() -> bool:
-    # vLLM's processes start without torchrun's variables (vllm_engine.without_torchrun_env), which passes the
+    # vLLM's processes start without torchrun's variables (vllm_process.without_torchrun_env), which passes the
     # restart count on as PIPELINERL_RESTART_COUNT: a fault at `core-update` must not fire again after a restart
     count = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("PIPELINERL_RESTART_COUNT") or "0"
     return count == "0"

@@ -16,7 +16,7 @@ import torch
 
 from pipelinerl_fsdp.config import ConfigError
 from pipelinerl_fsdp.configure import load_config
-from pipelinerl_fsdp.inference import vllm_engine
+from pipelinerl_fsdp.inference import vllm_process
 from pipelinerl_fsdp.inference.placement import VLLMPlacement
 from pipelinerl_fsdp.inference.vllm_extension import output_token_counts
 from pipelinerl_fsdp.job import world
@@ -136,21 +136,21 @@ def test_gpu_count_asks_nvml_and_never_cuda(monkeypatch):
 
 
 def test_vllm_starts_its_processes_with_spawn_the_v1_runner_and_without_torchrun_env(monkeypatch):
-    env = vllm_engine.engine_env(VLLMPlacement(cpu_cores=None, gpu_ids=[4, 5]), {})
+    env = vllm_process.engine_env(VLLMPlacement(cpu_cores=None, gpu_ids=[4, 5]), {})
     assert env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn" and env["CUDA_VISIBLE_DEVICES"] == "4,5"
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
     # a user's explicit choice stands (the extension reads either runner)
     assert (
-        vllm_engine.engine_env(VLLMPlacement(None, [0]), {"VLLM_USE_V2_MODEL_RUNNER": "1"})["VLLM_USE_V2_MODEL_RUNNER"]
+        vllm_process.engine_env(VLLMPlacement(None, [0]), {"VLLM_USE_V2_MODEL_RUNNER": "1"})["VLLM_USE_V2_MODEL_RUNNER"]
         == "1"
     )
-    cpu = vllm_engine.engine_env(VLLMPlacement(cpu_cores="1", gpu_ids=None), {})
+    cpu = vllm_process.engine_env(VLLMPlacement(cpu_cores="1", gpu_ids=None), {})
     assert cpu == {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "1"}
     monkeypatch.setenv("RANK", "5")
     monkeypatch.setenv("MASTER_ADDR", "node0")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    with vllm_engine.without_torchrun_env():
+    with vllm_process.without_torchrun_env():
         import os
 
         seen = dict(os.environ)

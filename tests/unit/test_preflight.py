@@ -84,7 +84,7 @@ def test_engine_max_len_from_the_data_or_the_config():
 
 
 def test_cuda_graphs_only_on_gpu():
-    from pipelinerl_fsdp.inference.vllm_engine import enforce_eager
+    from pipelinerl_fsdp.inference.vllm_options import enforce_eager
 
     assert enforce_eager(True, on_gpu=True) is False
     assert enforce_eager(False, on_gpu=True) is True

@@ -69,7 +69,7 @@ def test_the_shutdown_call_does_not_check_liveness(engine):
 
 
 def test_the_cpu_kv_cache_is_sized_from_the_config():
-    from pipelinerl_fsdp.inference.vllm_engine import kv_cache_gib_needed
+    from pipelinerl_fsdp.inference.vllm_options import kv_cache_gib_needed
     from pipelinerl_fsdp.models import ModelArgs
 
     # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64 -> 46,080 bytes per token in fp32
@@ -85,7 +85,7 @@ def test_the_cpu_kv_cache_is_sized_from_the_config():
 def test_requests_ask_vllm_for_token_ids_and_sampled_logprobs_only():
     pytest.importorskip("vllm")
     from pipelinerl_fsdp.inference.engine import Request
-    from pipelinerl_fsdp.inference.vllm_engine import sampling_params
+    from pipelinerl_fsdp.inference.vllm_options import sampling_params
 
     p = sampling_params(Request(5, [1, 2], 9), temperature=0.7, top_p=0.9, seed=3, ignore_eos=False, stop_token_ids=[2])
     # no text: vLLM's client would otherwise detokenize every new token on the inference rank's core
