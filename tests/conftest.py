@@ -109,3 +109,11 @@ def default_warmstart(tmp_path_factory) -> tuple[Path, Path, subprocess.Complete
     d = tmp_path_factory.mktemp("default_ws")
     r = torchrun(1, *WARMSTART_ARGS, f"--warmstart.path={d}/model", f"--job.output_dir={d}/out", threads=2)
     return d / "model", d / "out", r
+
+
+@pytest.fixture
+def warm_folder(default_warmstart) -> Path:
+    """The default warm start (run once per session), so that rewards and gradients are not all zero."""
+    folder, _, r = default_warmstart
+    assert r.returncode == 0, r.stderr[-3000:]
+    return folder

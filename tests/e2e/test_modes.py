@@ -18,13 +18,6 @@ from conftest import pipeline_lag_bound, torchrun
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def warm_folder(default_warmstart) -> Path:
-    folder, _, r = default_warmstart
-    assert r.returncode == 0, r.stderr[-3000:]
-    return folder
-
-
 def run_mode(warm: Path, out: Path, mode: str, *extra: str) -> list[dict]:
     r = torchrun(
         2,

@@ -57,7 +57,7 @@ def test_guess_number_episodes_in_the_pipeline_job(tmp_path):
             continue
         after = x["mismatch_kl_after_update"] if frac > 0 else 0.0
         fresh.append((all_k3 - frac * after) / (1 - frac))
-    assert fresh and max(fresh) < 1e-5, fresh  # fp32 on both sides: ~1e-6 per token (tests/e2e/test_pipeline.py)
+    assert fresh and max(fresh) < 1e-5, fresh  # fp32 on both sides: ~1e-6 per token (tests/e2e/test_metrics.py)
     evals = [json.loads(x) for x in (tmp_path / "job" / "rl" / "evals.jsonl").read_text().splitlines()]
     assert [e["eval/heldout/version"] for e in evals] == [0.0, STEPS / 2, STEPS]
     assert all(e["eval/heldout/problems"] == 32 for e in evals)
