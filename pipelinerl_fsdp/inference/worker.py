@@ -33,7 +33,7 @@ from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import shaped_group_advantages
 from pipelinerl_fsdp.runtime.faults import logprob_shift, maybe_fail
-from pipelinerl_fsdp.samples import EvalReport, Sample
+from pipelinerl_fsdp.samples import EngineStats, EvalReport, Sample
 from pipelinerl_fsdp.tasks import Problem, ProblemStream
 from pipelinerl_fsdp.tokenizer import encode_prompt
 from pipelinerl_fsdp.transport.rollouts import RolloutSender
@@ -70,26 +70,7 @@ class InferenceWorker:
         # a group's id is its problem's stream position: unique across engines, and the resume position
         self.groups: dict[int, _Group] = {}
         self._backlog: deque[list[Sample] | EvalReport] = deque()  # scored, not yet in the send queue
-        self.stats = {
-            "gen_tokens": 0.0,
-            "busy_s": 0.0,
-            "elapsed_s": 0.0,
-            # weight-update pauses: cumulative count and milliseconds, and the longest one since the last send
-            "updates": 0.0,
-            "pause_ms_sum": 0.0,
-            "pause_ms_max": 0.0,
-            "skipped_prompts": 0.0,
-            "seq_s": 0.0,
-            # the loop's time waiting for room in the send queue (back-pressure from the trainer)
-            "send_blocked_s": 0.0,
-            # sequences in flight whose KV cache an update recomputed (inference.kv_max_age)
-            "kv_recomputed": 0.0,
-            # multi-turn episodes' tool calls, by failure outcome (inference/turns.py)
-            "tool_calls": 0.0,
-            "tool_timeout": 0.0,
-            "tool_error": 0.0,
-            "tool_output_truncated": 0.0,
-        }
+        self.stats = EngineStats()  # cumulative; the longest update pause since the last send
         # prompts over task.max_prompt_tokens (tasks that have the key) are skipped and counted
         self._max_prompt = getattr(cfg.task, "max_prompt_tokens", 0)
         self._t0 = time.perf_counter()
@@ -134,7 +115,7 @@ class InferenceWorker:
             return
         maybe_fail(self.world.rank, version, "update")
         t0 = time.perf_counter()  # the pause: from the header on (not the wait for it)
-        self.stats["kv_recomputed"] += self.engine.load_update(self.receiver, version, self.cfg.inference.kv_max_age)
+        self.stats.kv_recomputed += self.engine.load_update(self.receiver, version, self.cfg.inference.kv_max_age)
         self.receiver.post()
         self._add_pause((time.perf_counter() - t0) * 1000, loaded=True)
         self._maybe_evaluate(version)
@@ -164,10 +145,10 @@ class InferenceWorker:
         """Count `ms` of generation paused for a weight update; `loaded`: the update is now in the engine (async
         mode pauses to stage it, then to load it: one update, one pause, the sum of both)."""
         self._pause_ms += ms
-        self.stats["pause_ms_sum"] += ms
+        self.stats.pause_ms_sum += ms
         if loaded:
-            self.stats["updates"] += 1
-            self.stats["pause_ms_max"] = max(self.stats["pause_ms_max"], self._pause_ms)
+            self.stats.updates += 1
+            self.stats.pause_ms_max = max(self.stats.pause_ms_max, self._pause_ms)
             self._pause_ms = 0.0
 
     def _maybe_evaluate(self, version: int) -> None:
@@ -203,13 +184,13 @@ class InferenceWorker:
         """Engine counters and wall time read together: the trainer turns their deltas into rates and fractions
         (a vLLM engine keeps generating while this loop waits on backpressure, so a stale read would skew them)."""
         tokens, busy, seq_s = self.engine.stats()
-        self.stats["busy_s"], self.stats["gen_tokens"], self.stats["seq_s"] = busy, float(tokens), seq_s
-        self.stats["elapsed_s"] = time.perf_counter() - self._t0
+        self.stats.busy_s, self.stats.gen_tokens, self.stats.seq_s = busy, float(tokens), seq_s
+        self.stats.elapsed_s = time.perf_counter() - self._t0
         if isinstance(self.engine, TurnEngine):
             tools = self.engine.tool_outcomes
-            self.stats["tool_calls"] = float(sum(tools.values()))
-            for outcome in ("tool_timeout", "tool_error", "tool_output_truncated"):
-                self.stats[outcome] = float(tools[outcome])
+            self.stats.tool_calls = float(sum(tools.values()))
+            for outcome in ("tool_timeout", "tool_error", "tool_output_truncated"):  # EngineStats fields
+                setattr(self.stats, outcome, float(tools[outcome]))
 
     def _add_group(self) -> None:
         while True:
@@ -218,7 +199,7 @@ class InferenceWorker:
             ids = encode_prompt(self.tokenizer, problem.prompt, self.cfg.tokenizer)
             if not self._max_prompt or len(ids) <= self._max_prompt:
                 break
-            self.stats["skipped_prompts"] += 1
+            self.stats.skipped_prompts += 1
         self.groups[gid] = _Group(problem, ids)
         for a in range(self.cfg.rl.attempts):
             episode = self.task.start_episode(problem.answer)  # None: single-turn
@@ -298,10 +279,10 @@ class InferenceWorker:
             holding = self._holding_for_eval()
             t0 = time.perf_counter()
             sent = self.sender.put(self._backlog[0], self.stats, timeout=0.0 if holding else 0.05)
-            self.stats["send_blocked_s"] += time.perf_counter() - t0  # reaches the trainer with the next send
+            self.stats.send_blocked_s += time.perf_counter() - t0  # reaches the trainer with the next send
             if sent:
                 self._backlog.popleft()
-                self.stats["pause_ms_max"] = 0.0  # sent (the queue copied the counters): a new window starts
+                self.stats.pause_ms_max = 0.0  # sent (the queue copied the counters): a new window starts
                 continue
             if holding:  # never wait here: the engine must go on draining
                 return

@@ -1,12 +1,15 @@
 """Batching rules of the RL step (pure): how a step's samples are split over trainer ranks and packed into
-micro-batches whose per-token fields line up with the next-token targets."""
+micro-batches (`RLMicroBatch`) whose loss fields line up with the next-token targets."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from pipelinerl_fsdp.episodes import turn_indices
-from pipelinerl_fsdp.rl.packing import collate_packed, pack_into_bins
+from pipelinerl_fsdp.rl.loss import LossInput
+from pipelinerl_fsdp.rl.packing import PackedRow, pack_into_bins, pack_row, per_target
 from pipelinerl_fsdp.samples import ENV_VERSION, Sample
 
 
@@ -37,10 +40,21 @@ def after_update_marks(versions: list[int]) -> list[float]:
     return [float(v != ENV_VERSION and v > first) for v in versions]
 
 
+@dataclass
+class RLMicroBatch(PackedRow):
+    """A packed micro-batch of the RL step: the row the model runs on and, per target, what the loss reads."""
+
+    loss_input: LossInput
+
+    def logprob_positions(self) -> torch.Tensor | None:
+        """The loss reads the completion tokens' log-probs only."""
+        return self.loss_input.mask[None]
+
+
 def rl_micro_batches(
     samples: list[Sample], budget: int, device: torch.device, version: int | None = None
-) -> list[dict[str, torch.Tensor]]:
-    """Pack samples (prompt + completion) into micro-batches; per-token fields aligned with the targets. `mask` is 1
+) -> list[RLMicroBatch]:
+    """Pack samples (prompt + completion) into micro-batches whose loss fields line up with the targets. `mask` is 1
     on the completion tokens a policy sampled (0 on a multi-turn rollout's environment tokens). With the trained
     `version`, field `current` marks the completion tokens that version sampled (lag 0: where engine and trainer
     log-probs should agree, see `rl.loss.policy_loss`) and `after_update` those sampled after an in-flight update
@@ -49,27 +63,27 @@ def rl_micro_batches(
     prompt targets and environment tokens), for the ESS per turn. Field `weight` is each token's sample's loss weight
     (`Sample.loss_weight`, rl/normalization.py)."""
     seqs: list[list[int]] = []
-    fields: dict[str, list[list[float]]] = {"mask": [], "behaviour_logp": [], "advantage": [], "weight": []}
+    per_token: dict[str, list[list[float]]] = {"mask": [], "behaviour_logp": [], "advantage": [], "weight": []}
     if version is not None:
-        fields["current"] = []
-        fields["after_update"] = []
-        fields["position"] = []
-        fields["turn"] = []
+        per_token.update(current=[], after_update=[], position=[], turn=[])
     for s in samples:
         seqs.append(s.prompt_ids + s.completion_ids)
         n_prompt_targets = len(s.prompt_ids) - 1
         n = len(s.completion_ids)
         # the tokens a policy sampled; environment tokens (multi-turn) are context only
-        fields["mask"].append([0.0] * n_prompt_targets + [float(v != ENV_VERSION) for v in s.versions])
-        fields["behaviour_logp"].append([0.0] * n_prompt_targets + list(s.logprobs))
-        fields["advantage"].append([0.0] * n_prompt_targets + [s.advantage] * n)
-        fields["weight"].append([0.0] * n_prompt_targets + [s.loss_weight] * n)
+        per_token["mask"].append([0.0] * n_prompt_targets + [float(v != ENV_VERSION) for v in s.versions])
+        per_token["behaviour_logp"].append([0.0] * n_prompt_targets + list(s.logprobs))
+        per_token["advantage"].append([0.0] * n_prompt_targets + [s.advantage] * n)
+        per_token["weight"].append([0.0] * n_prompt_targets + [s.loss_weight] * n)
         if version is not None:
-            fields["current"].append([0.0] * n_prompt_targets + [float(v == version) for v in s.versions])
-            fields["after_update"].append([0.0] * n_prompt_targets + after_update_marks(s.versions))
-            fields["position"].append([-1.0] * n_prompt_targets + [float(i) for i in range(n)])
-            fields["turn"].append([0.0] * n_prompt_targets + [float(i) for i in turn_indices(s.versions)])
-    bins = pack_into_bins([len(s) for s in seqs], budget)
-    return [
-        collate_packed([seqs[i] for i in b], {k: [v[i] for i in b] for k, v in fields.items()}, device) for b in bins
-    ]
+            per_token["current"].append([0.0] * n_prompt_targets + [float(v == version) for v in s.versions])
+            per_token["after_update"].append([0.0] * n_prompt_targets + after_update_marks(s.versions))
+            per_token["position"].append([-1.0] * n_prompt_targets + [float(i) for i in range(n)])
+            per_token["turn"].append([0.0] * n_prompt_targets + [float(i) for i in turn_indices(s.versions)])
+    out = []
+    for b in pack_into_bins([len(s) for s in seqs], budget):
+        row_seqs = [seqs[i] for i in b]
+        row = pack_row(row_seqs, device)
+        fields = {k: per_target(row_seqs, [v[i] for i in b], k, device) for k, v in per_token.items()}
+        out.append(RLMicroBatch(**vars(row), loss_input=LossInput(**fields, seq=row.seq_index[0])))
+    return out

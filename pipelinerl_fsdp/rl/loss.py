@@ -8,9 +8,12 @@ All inputs are per output token of one packed micro-batch, flattened; `mask` is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pipelinerl_fsdp.config import LossConfig
+from pipelinerl_fsdp.records import MAX, SUM, stat
 from pipelinerl_fsdp.rl.objectives import OBJECTIVES, Tokens
 
 # |log pi_ref - log pi| is clamped here before exp() in the k3 estimator: one token the policy has moved far from
@@ -27,20 +30,63 @@ POSITION_BINS = (0, 32, 64, 128)
 TURN_BINS = 8
 
 
-def turn_sum_keys() -> list[str]:
-    """The loss sums of the raw importance weights per model-turn index (`policy_loss`)."""
-    return [f"turn{i}_{kind}" for i in range(1, TURN_BINS + 1) for kind in ("tokens", "rho", "rho2")]
-
-
 def position_bin_names() -> list[str]:
     """Names of the ranges of POSITION_BINS: "0-31", "32-63", "64-127", "128+"."""
     ends = [f"-{b - 1}" for b in POSITION_BINS[1:]] + ["+"]
     return [f"{lo}{end}" for lo, end in zip(POSITION_BINS, ends)]
 
 
-def position_sum_keys() -> list[str]:
-    """The loss sums of the lag-0 mismatch per position range (`policy_loss`)."""
-    return [f"lag0_{kind}_pos{name}" for name in position_bin_names() for kind in ("tokens", "k3")]
+@dataclass
+class LossInput:
+    """What the loss reads of one packed micro-batch, per target token, flattened ([T] each): `mask` 1 on the
+    tokens that count (those a policy sampled), the engine's log-probs, the advantages and the per-sample
+    normalisation weights (rl/normalization.py); `seq` the sequence index of each token (None: one sequence). The
+    optional fields turn on statistics (`policy_loss`) or the KL penalty (`ref_logp`)."""
+
+    mask: torch.Tensor
+    behaviour_logp: torch.Tensor
+    advantage: torch.Tensor
+    weight: torch.Tensor
+    seq: torch.Tensor | None = None
+    current: torch.Tensor | None = None  # 1 on the tokens the trained version sampled (lag 0)
+    after_update: torch.Tensor | None = None  # 1 on tokens sampled after an in-flight update within their sequence
+    position: torch.Tensor | None = None  # each token's index in its completion
+    turn: torch.Tensor | None = None  # each token's model-turn index, from 1 (0 elsewhere)
+    ref_logp: torch.Tensor | None = None  # log-probs under the frozen reference model (rl.kl_coef > 0)
+
+
+@dataclass
+class LossStats:
+    """The statistics of the loss, summed over tokens and sequences (micro-batches, then trainer ranks, combine them
+    as each field says: records.py), behind the step's ESS, clipping and mismatch metrics (rl/step_metrics.py)."""
+
+    sum_rho: float = stat(SUM)  # raw importance weights rho = pi / mu: the paper's ESS
+    sum_rho2: float = stat(SUM)
+    sum_w: float = stat(SUM)  # the weights the update applies (truncated, or PPO-type objectives' unclipped ratio)
+    sum_w2: float = stat(SUM)
+    tokens: float = stat(SUM)
+    entropy: float = stat(SUM)  # of the counted tokens (`micro_batch_loss`)
+    clipped: float = stat(SUM)
+    kl: float = stat(SUM)  # k3 to the reference model, when rl.kl_coef > 0
+    # lag-0 tokens (sampled by the weights being trained): the engine/trainer mismatch (k3, |log rho|)
+    lag0_tokens: float = stat(SUM)
+    lag0_k3: float = stat(SUM)
+    lag0_abs_log_ratio: float = stat(SUM)
+    # ...those of them sampled after an in-flight update within their sequence
+    lag0_after_update_tokens: float = stat(SUM)
+    lag0_after_update_k3: float = stat(SUM)
+    masked: float = stat(SUM)  # tokens the mismatch mask left out
+    mis_tokens: float = stat(SUM)  # tokens the token rule would leave out with [mask_low, mask_high]
+    mis_seqs: float = stat(SUM)  # sequences the sequence rule would
+    sequences: float = stat(SUM)
+    max_log_ratio: float = stat(MAX)
+    # the lag-0 tokens and their k3 per range of POSITION_BINS
+    lag0_tokens_pos: tuple[float, ...] = stat(SUM, size=len(POSITION_BINS))
+    lag0_k3_pos: tuple[float, ...] = stat(SUM, size=len(POSITION_BINS))
+    # tokens, sum rho and sum rho^2 per model-turn index (the last counting every later turn)
+    turn_tokens: tuple[float, ...] = stat(SUM, size=TURN_BINS)
+    turn_rho: tuple[float, ...] = stat(SUM, size=TURN_BINS)
+    turn_rho2: tuple[float, ...] = stat(SUM, size=TURN_BINS)
 
 
 def mismatch_masks(t: Tokens, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,133 +101,100 @@ def mismatch_masks(t: Tokens, low: float, high: float) -> tuple[torch.Tensor, to
 
 
 def policy_loss(
-    logp: torch.Tensor,
-    behaviour_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    weight: torch.Tensor,
-    cfg: LossConfig,
-    seq: torch.Tensor | None = None,
-    ref_logp: torch.Tensor | None = None,
-    current: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    after_update: torch.Tensor | None = None,
-    position: torch.Tensor | None = None,
-    turn: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss of one micro-batch: sum_t weight_t * keep_t * L_t (+ kl_coef * sum_t weight_t * k3_t), L_t the
-    objective's per-token loss (`cfg.name`), weight_t its sample's normalisation weight (`loss.normalize`), keep_t
-    the mismatch mask (`loss.mask`: 1 everywhere with "none"). `seq`: the sequence index of each position (one
-    sequence when None).
+    logp: torch.Tensor, batch: LossInput, cfg: LossConfig, kl_coef: float = 0.0
+) -> tuple[torch.Tensor, LossStats]:
+    """Loss of one micro-batch, `logp` the trainer's log-probs of its tokens: sum_t weight_t * keep_t * L_t
+    (+ kl_coef * sum_t weight_t * k3_t with `batch.ref_logp`), L_t the objective's per-token loss (`cfg.name`),
+    weight_t its sample's normalisation weight (`loss.normalize`), keep_t the mismatch mask (`loss.mask`: 1
+    everywhere with "none").
 
-    Returns the loss and summed statistics: sum_rho, sum_rho2 of the raw importance weights rho = pi / mu (the
-    paper's ESS); sum_w, sum_w2 of the weights the update applies (the truncated ones for REINFORCE-type
-    objectives, the unclipped ratio for PPO-type ones, whose clipping acts on the objective); tokens, kl,
-    clipped; masked (tokens the mask left out); mis_tokens / mis_seqs and sequences: tokens and sequences that the
-    token and the sequence masking rule would leave out with [mask_low, mask_high], whichever rule is on;
-    max_log_ratio (a max, not a sum). `current` (1 on tokens sampled by the weights being trained, lag 0): there
-    rho differs from 1 only by the engine/trainer mismatch (kernels, dtype, a wrong tokenizer or template); summed
-    as lag0_tokens, lag0_k3 (k3 estimate of KL(engine || trainer): rho - 1 - log rho, on the engine's samples)
-    and lag0_abs_log_ratio; of those, the tokens `after_update` marks (sampled after an in-flight update within
-    their sequence: over a KV cache older weights computed, unless the engine recomputed it) as
-    lag0_after_update_tokens and lag0_after_update_k3. `position` (each token's index in its completion): the
-    lag-0 tokens and k3 sums per range of POSITION_BINS as lag0_tokens_pos<range> and lag0_k3_pos<range>. `turn`
-    (each token's model-turn index, from 1; 0 elsewhere): tokens, sum rho and sum rho^2 per turn index as
-    turn<i>_tokens, turn<i>_rho, turn<i>_rho2 (i up to TURN_BINS, the last counting every later turn).
+    Returns the loss and its statistics (`LossStats`): the raw importance weights rho = pi / mu (the paper's ESS)
+    and the weights the update applies (the truncated ones for REINFORCE-type objectives, the unclipped ratio for
+    PPO-type ones, whose clipping acts on the objective); the tokens and sequences the masking rules would leave
+    out with [mask_low, mask_high], whichever rule is on. On the lag-0 tokens (`batch.current`) rho differs from 1
+    only by the engine/trainer mismatch (kernels, dtype, a wrong tokenizer or template): the k3 estimate of
+    KL(engine || trainer), rho - 1 - log rho on the engine's samples, and |log rho| are summed there; also over
+    those `batch.after_update` marks (sampled over a KV cache older weights computed, unless the engine recomputed
+    it), and per range of POSITION_BINS (`batch.position`). With `batch.turn`: tokens, sum rho and sum rho^2 per
+    turn index (up to TURN_BINS, the last counting every later turn).
     """
     objective = OBJECTIVES.get(cfg.name)
     if objective is None:
         raise ValueError(f"unknown loss {cfg.name!r}; registered: {sorted(OBJECTIVES)}")
-    log_ratio = (logp - behaviour_logp).clamp(max=30.0)  # exp() stays finite for wildly stale tokens
-    if seq is None:
-        seq = torch.zeros_like(mask, dtype=torch.long)
+    b, mask = batch, batch.mask
+    log_ratio = (logp - b.behaviour_logp).clamp(max=30.0)  # exp() stays finite for wildly stale tokens
+    seq = b.seq if b.seq is not None else torch.zeros_like(mask, dtype=torch.long)
     n_seq = int(seq.max()) + 1 if seq.numel() else 0
-    t = Tokens(logp, log_ratio, advantages, mask, seq, n_seq)
+    t = Tokens(logp, log_ratio, b.advantage, mask, seq, n_seq)
     token_keep, seq_keep = mismatch_masks(t, cfg.mask_low, cfg.mask_high)
     keep = {"none": torch.ones_like(mask), "token": token_keep, "sequence": seq_keep}[cfg.mask]
     out = objective(t, cfg)
     counted = mask * keep
-    loss = (out.loss * counted * weight).sum()
+    loss = (out.loss * counted * b.weight).sum()
     kl_sum = 0.0
-    if ref_logp is not None and kl_coef > 0:
-        d = (ref_logp - logp).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+    if b.ref_logp is not None and kl_coef > 0:
+        d = (b.ref_logp - logp).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
         kl = torch.exp(d) - d - 1
-        loss = loss + kl_coef * (kl * mask * weight).sum()
+        loss = loss + kl_coef * (kl * mask * b.weight).sum()
         kl_sum = float((kl.detach() * mask).sum())
     rho = torch.exp(log_ratio.detach())
-    lag0 = mask * current if current is not None else torch.zeros_like(mask)
+    lag0 = mask * b.current if b.current is not None else torch.zeros_like(mask)
     w, raw = out.weights * counted, rho * mask
     has_tokens = t.seq_sum(torch.ones_like(mask)) > 0
-    stats = {
-        "sum_rho": float(raw.sum()),
-        "sum_rho2": float((raw * rho).sum()),
-        "sum_w": float(w.sum()),
-        "sum_w2": float((w * out.weights).sum()),
-        "tokens": float(mask.sum()),
-        "kl": kl_sum,
-        "clipped": float((out.clipped * mask).sum()),
-        "masked": float((mask * (1 - keep)).sum()),
-        "mis_tokens": float((mask * (1 - token_keep)).sum()),
-        "mis_seqs": float(((t.seq_sum(1 - seq_keep) > 0) & has_tokens).sum()),
-        "sequences": float(has_tokens.sum()),
-        "max_log_ratio": float(log_ratio.detach().masked_fill(mask == 0, float("-inf")).max())
+    lag0_tokens, lag0_k3, lag0_abs = lag0_mismatch_sums(log_ratio.detach(), lag0)
+    late = lag0 * b.after_update if b.after_update is not None else 0 * mask
+    late_tokens, late_k3, _ = lag0_mismatch_sums(log_ratio.detach(), late)
+    stats = LossStats(
+        sum_rho=float(raw.sum()),
+        sum_rho2=float((raw * rho).sum()),
+        sum_w=float(w.sum()),
+        sum_w2=float((w * out.weights).sum()),
+        tokens=float(mask.sum()),
+        kl=kl_sum,
+        clipped=float((out.clipped * mask).sum()),
+        masked=float((mask * (1 - keep)).sum()),
+        mis_tokens=float((mask * (1 - token_keep)).sum()),
+        mis_seqs=float(((t.seq_sum(1 - seq_keep) > 0) & has_tokens).sum()),
+        sequences=float(has_tokens.sum()),
+        max_log_ratio=float(log_ratio.detach().masked_fill(mask == 0, float("-inf")).max())
         if mask.any()
         else float("-inf"),
-        **lag0_mismatch_sums(log_ratio.detach(), lag0),
-    }
-    late = lag0_mismatch_sums(log_ratio.detach(), lag0 * after_update if after_update is not None else 0 * mask)
-    stats["lag0_after_update_tokens"], stats["lag0_after_update_k3"] = late["lag0_tokens"], late["lag0_k3"]
-    if position is not None:
+        lag0_tokens=lag0_tokens,
+        lag0_k3=lag0_k3,
+        lag0_abs_log_ratio=lag0_abs,
+        lag0_after_update_tokens=late_tokens,
+        lag0_after_update_k3=late_k3,
+    )
+    if b.position is not None:
         edges = [*POSITION_BINS[1:], float("inf")]
-        for lo, hi, name in zip(POSITION_BINS, edges, position_bin_names()):
-            in_bin = ((position >= lo) & (position < hi)).to(lag0.dtype)
-            part = lag0_mismatch_sums(log_ratio.detach(), lag0 * in_bin)
-            stats[f"lag0_tokens_pos{name}"], stats[f"lag0_k3_pos{name}"] = part["lag0_tokens"], part["lag0_k3"]
-    if turn is not None:
-        for i in range(1, TURN_BINS + 1):
-            in_turn = mask * ((turn == i) if i < TURN_BINS else (turn >= i)).to(mask.dtype)
-            stats[f"turn{i}_tokens"] = float(in_turn.sum())
-            stats[f"turn{i}_rho"] = float((rho * in_turn).sum())
-            stats[f"turn{i}_rho2"] = float((rho * rho * in_turn).sum())
+        parts = [
+            lag0_mismatch_sums(log_ratio.detach(), lag0 * ((b.position >= lo) & (b.position < hi)).to(lag0.dtype))
+            for lo, hi in zip(POSITION_BINS, edges)
+        ]
+        stats.lag0_tokens_pos = tuple(p[0] for p in parts)
+        stats.lag0_k3_pos = tuple(p[1] for p in parts)
+    if b.turn is not None:
+        turns = [
+            mask * ((b.turn == i) if i < TURN_BINS else (b.turn >= i)).to(mask.dtype) for i in range(1, TURN_BINS + 1)
+        ]
+        stats.turn_tokens = tuple(float(m.sum()) for m in turns)
+        stats.turn_rho = tuple(float((rho * m).sum()) for m in turns)
+        stats.turn_rho2 = tuple(float((rho * rho * m).sum()) for m in turns)
     return loss, stats
 
 
-def lag0_mismatch_sums(log_ratio: torch.Tensor, lag0: torch.Tensor) -> dict[str, float]:
-    """Sums over the tokens where `lag0` is 1 of the k3 term rho - 1 - log rho (>= 0; its mean estimates
-    KL(engine || trainer) from the engine's samples) and of |log rho|, rho = pi_trainer / pi_engine."""
+def lag0_mismatch_sums(log_ratio: torch.Tensor, lag0: torch.Tensor) -> tuple[float, float, float]:
+    """Over the tokens where `lag0` is 1: their count, and the sums of the k3 term rho - 1 - log rho (>= 0; its mean
+    estimates KL(engine || trainer) from the engine's samples) and of |log rho|, rho = pi_trainer / pi_engine."""
     k3 = torch.expm1(log_ratio) - log_ratio
-    return {
-        "lag0_tokens": float(lag0.sum()),
-        "lag0_k3": float((k3 * lag0).sum()),
-        "lag0_abs_log_ratio": float((log_ratio.abs() * lag0).sum()),
-    }
+    return float(lag0.sum()), float((k3 * lag0).sum()), float((log_ratio.abs() * lag0).sum())
 
 
 def micro_batch_loss(
-    logp: torch.Tensor, entropy: torch.Tensor, micro_batch: dict[str, torch.Tensor], cfg: LossConfig, kl_coef: float
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """`policy_loss` on one packed micro-batch (`rl.batching.rl_micro_batches`'s fields; `ref_logp` when a
-    reference model scored it), with the summed entropy of its counted tokens added to the statistics."""
-    mb, mask = micro_batch, micro_batch["mask"][0]
-    ref = mb["ref_logp"][0] if "ref_logp" in mb else None
-    current = mb["current"][0] if "current" in mb else None
-    after_update = mb["after_update"][0] if "after_update" in mb else None
-    position = mb["position"][0] if "position" in mb else None
-    turn = mb["turn"][0] if "turn" in mb else None
-    loss, stats = policy_loss(
-        logp[0],
-        mb["behaviour_logp"][0],
-        mb["advantage"][0],
-        mask,
-        mb["weight"][0],
-        cfg,
-        mb["seq_index"][0],
-        ref,
-        current,
-        kl_coef,
-        after_update,
-        position,
-        turn,
-    )
-    stats["entropy"] = float((entropy[0] * mask).sum())
+    logp: torch.Tensor, entropy: torch.Tensor, batch: LossInput, cfg: LossConfig, kl_coef: float
+) -> tuple[torch.Tensor, LossStats]:
+    """`policy_loss` on one packed micro-batch, `logp` and `entropy` the model's [1, T] outputs, with the summed
+    entropy of its counted tokens added to the statistics."""
+    loss, stats = policy_loss(logp[0], batch, cfg, kl_coef)
+    stats.entropy = float((entropy[0] * batch.mask).sum())
     return loss, stats

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -31,21 +32,26 @@ def pack_into_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def collate_packed(
-    sequences: Sequence[Sequence[int]],
-    per_token: Mapping[str, Sequence[Sequence[float]]] | None = None,
-    device: torch.device | str = "cpu",
-) -> dict[str, torch.Tensor]:
-    """Pack whole sequences into one row for next-token training.
+@dataclass
+class PackedRow:
+    """Whole sequences packed into one row for next-token training: [1, T] tensors of the inputs, their positions
+    (restarting per sequence), the targets and the sequence each target belongs to. A micro-batch is a PackedRow
+    and the fields its loss reads (`rl.batching.RLMicroBatch`)."""
 
-    sequences[i] has n_i tokens and contributes n_i - 1 (input, target) pairs; per_token[name][i] has n_i - 1
-    values aligned with those targets (e.g. a loss mask, behaviour log-probs, advantages).
-    Returns [1, T] tensors: input_ids, position_ids (restarting per sequence), targets, and each per-token
-    field as float32, plus `seq_index` (which sequence each target belongs to).
-    """
-    per_token = per_token or {}
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    seq_index: torch.Tensor
+
+    def logprob_positions(self) -> torch.Tensor | None:
+        """[1, T], nonzero on the targets whose log-probs the loss reads; None: every target."""
+        return None
+
+
+def pack_row(sequences: Sequence[Sequence[int]], device: torch.device | str = "cpu") -> PackedRow:
+    """Pack whole sequences into one row: sequences[i] has n_i tokens and contributes n_i - 1 (input, target)
+    pairs."""
     ids, pos, tgt, seq = [], [], [], []
-    fields: dict[str, list[float]] = {k: [] for k in per_token}
     for i, s in enumerate(sequences):
         if len(s) < 2:
             raise ValueError(f"sequence {i} has {len(s)} token(s); training needs at least 2")
@@ -54,16 +60,19 @@ def collate_packed(
         tgt.extend(s[1:])
         pos.extend(range(n))
         seq.extend([i] * n)
-        for k, vals in per_token.items():
-            if len(vals[i]) != n:
-                raise ValueError(f"per-token field {k!r} of sequence {i} has {len(vals[i])} values, expected {n}")
-            fields[k].extend(vals[i])
-    out = {
-        "input_ids": torch.tensor(ids, dtype=torch.long, device=device)[None],
-        "position_ids": torch.tensor(pos, dtype=torch.long, device=device)[None],
-        "targets": torch.tensor(tgt, dtype=torch.long, device=device)[None],
-        "seq_index": torch.tensor(seq, dtype=torch.long, device=device)[None],
-    }
-    for k, vals in fields.items():
-        out[k] = torch.tensor(vals, dtype=torch.float32, device=device)[None]
-    return out
+    return PackedRow(
+        *(torch.tensor(v, dtype=torch.long, device=device)[None] for v in (ids, pos, tgt, seq)),
+    )
+
+
+def per_target(
+    sequences: Sequence[Sequence[int]], values: Sequence[Sequence[float]], name: str, device: torch.device | str
+) -> torch.Tensor:
+    """A per-token field aligned with `pack_row(sequences)`'s targets, [T] float32: values[i] has n_i - 1 values
+    (e.g. a loss mask, behaviour log-probs, advantages)."""
+    flat: list[float] = []
+    for i, (s, vals) in enumerate(zip(sequences, values, strict=True)):
+        if len(vals) != len(s) - 1:
+            raise ValueError(f"per-token field {name!r} of sequence {i} has {len(vals)} values, expected {len(s) - 1}")
+        flat.extend(vals)
+    return torch.tensor(flat, dtype=torch.float32, device=device)

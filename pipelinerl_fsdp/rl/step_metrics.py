@@ -1,72 +1,27 @@
-"""The metrics of one RL step, computed from the step's samples, the loss sums reduced over trainer ranks, the
-engines' cumulative counters and the step's timings (pure: every number comes from these inputs)."""
+"""The metrics of one RL step, computed from the step's samples, the loss statistics reduced over trainer ranks
+(`LossStats`), the engines' cumulative counters summed over the engines (`EngineStats`) and the step's timings
+(pure: every number comes from these inputs)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from pipelinerl_fsdp.episodes import turn_spans
 from pipelinerl_fsdp.rewards.outcomes import OUTCOMES
 from pipelinerl_fsdp.rl.ess import ess_from_sums
-from pipelinerl_fsdp.rl.loss import TURN_BINS, position_bin_names, position_sum_keys, turn_sum_keys
-from pipelinerl_fsdp.samples import ENV_VERSION, Sample, model_versions
-
-# Sums the loss reports per micro-batch, reduced over the trainer ranks (see rl.loss.policy_loss).
-LOSS_SUMS = (
-    "sum_rho",
-    "sum_rho2",
-    "sum_w",
-    "sum_w2",
-    "tokens",
-    "entropy",
-    "clipped",
-    "kl",
-    "lag0_tokens",
-    "lag0_k3",
-    "lag0_abs_log_ratio",
-    "lag0_after_update_tokens",
-    "lag0_after_update_k3",
-    "masked",
-    "mis_tokens",
-    "mis_seqs",
-    "sequences",
-    *position_sum_keys(),
-    *turn_sum_keys(),
-)
-# ...and maxima, reduced with max
-LOSS_MAXES = ("max_log_ratio",)
-
-
-@dataclass
-class EngineCounters:
-    """Cumulative counters summed over the engines (as last reported with their rollouts)."""
-
-    gen_tokens: float = 0.0
-    busy_s: float = 0.0
-    elapsed_s: float = 0.0
-    seq_s: float = 0.0  # sequences in flight x busy seconds (Engine.stats)
-    send_blocked_s: float = 0.0  # the inference loops' time waiting for room in their send queues
-    kv_recomputed: float = 0.0  # sequences whose KV cache an update recomputed (inference.kv_max_age)
-    # multi-turn episodes' tool calls, and those that ended in each failure outcome (tools/sandbox.py)
-    tool_calls: float = 0.0
-    tool_timeout: float = 0.0
-    tool_error: float = 0.0
-    tool_output_truncated: float = 0.0
-
-    @classmethod
-    def total(cls, per_engine: dict[int, dict[str, float]]) -> EngineCounters:
-        keys = [f.name for f in fields(cls)]
-        return cls(*(sum(st.get(k, 0.0) for st in per_engine.values()) for k in keys))
+from pipelinerl_fsdp.rl.loss import LossStats, position_bin_names
+from pipelinerl_fsdp.samples import ENV_VERSION, EngineStats, Sample, model_versions
 
 
 def update_pauses(
-    now: dict[int, dict[str, float]], before: tuple[float, float], maxima: dict[int, float]
+    now: EngineStats, before: tuple[float, float], maxima: dict[int, float]
 ) -> tuple[dict[str, float], tuple[float, float]]:
     """The weight-update pauses the engines reported during a step: mean (the step's share of the cumulative
-    `pause_ms_sum` / `updates` of every engine) and max (the longest each engine reported meanwhile); NaN when no
-    update was reported. Returns the metrics and the cumulative (sum, count) to pass as `before` next time."""
-    total = (sum(st["pause_ms_sum"] for st in now.values()), sum(st["updates"] for st in now.values()))
+    `pause_ms_sum` / `updates` of the engines, `now` their total) and max (the longest each engine reported
+    meanwhile); NaN when no update was reported. Returns the metrics and the cumulative (sum, count) to pass as
+    `before` next time."""
+    total = (now.pause_ms_sum, now.updates)
     n = total[1] - before[1]
     mean = (total[0] - before[0]) / n if n > 0 else float("nan")
     longest = max(maxima.values()) if n > 0 and maxima else float("nan")
@@ -124,35 +79,34 @@ def episode_metrics(samples: list[Sample], trained_version: int) -> dict[str, fl
     }
 
 
-def mismatch(sums: dict[str, float]) -> dict[str, float]:
+def mismatch(sums: LossStats) -> dict[str, float]:
     """`mismatch_kl` and `mismatch_abs_log_ratio`: means over the step's lag-0 tokens (`rl.loss.policy_loss`);
     `mismatch_kl_after_update`: the k3 mean over those of them sampled after an in-flight update within their
     sequence (the stale-KV effect: old-weight KV, new weights), `lag0_after_update_frac` their share;
     `mismatch_kl_pos/<range>`: the k3 mean over the lag-0 tokens at that range of positions in their completion
     (rl.loss.POSITION_BINS). NaN where a step has no such token."""
     nan = float("nan")
-    n, late = sums.get("lag0_tokens", 0.0), sums.get("lag0_after_update_tokens", 0.0)
+    n, late = sums.lag0_tokens, sums.lag0_after_update_tokens
     by_pos = {}
-    for name in position_bin_names():
-        k = sums.get(f"lag0_tokens_pos{name}", 0.0)
-        by_pos[f"mismatch_kl_pos/{name}"] = sums[f"lag0_k3_pos{name}"] / k if k > 0 else nan
+    for name, k, k3 in zip(position_bin_names(), sums.lag0_tokens_pos, sums.lag0_k3_pos):
+        by_pos[f"mismatch_kl_pos/{name}"] = k3 / k if k > 0 else nan
     return {
         **by_pos,
-        "mismatch_kl": sums["lag0_k3"] / n if n > 0 else nan,
-        "mismatch_abs_log_ratio": sums["lag0_abs_log_ratio"] / n if n > 0 else nan,
-        "mismatch_kl_after_update": sums["lag0_after_update_k3"] / late if late > 0 else nan,
+        "mismatch_kl": sums.lag0_k3 / n if n > 0 else nan,
+        "mismatch_abs_log_ratio": sums.lag0_abs_log_ratio / n if n > 0 else nan,
+        "mismatch_kl_after_update": sums.lag0_after_update_k3 / late if late > 0 else nan,
         "lag0_after_update_frac": late / n if n > 0 else nan,
     }
 
 
-def mismatch_error(sums: dict[str, float], bound: float) -> str | None:
+def mismatch_error(sums: LossStats, bound: float) -> str | None:
     """Why the engine's and the trainer's log-probs of the same lag-0 tokens disagree beyond `bound` (mean
     |log ratio|, `rl.check_mismatch`), or None when they agree (or there are no such tokens to compare)."""
     m = mismatch(sums)
-    if not sums.get("lag0_tokens", 0.0) or m["mismatch_abs_log_ratio"] <= bound:
+    if not sums.lag0_tokens or m["mismatch_abs_log_ratio"] <= bound:
         return None
     return (
-        f"the trainer's log-probs of {sums['lag0_tokens']:.0f} tokens that the engines sampled with the same weights "
+        f"the trainer's log-probs of {sums.lag0_tokens:.0f} tokens that the engines sampled with the same weights "
         f"differ from the engines' by {m['mismatch_abs_log_ratio']:.4g} on average (|log ratio|; KL(engine || "
         f"trainer) {m['mismatch_kl']:.4g}), above rl.check_mismatch = {bound:g}: engine and trainer do not compute "
         "the same distribution (a different model folder, tokenizer or chat template, dtype, temperature or head); "
@@ -163,9 +117,9 @@ def mismatch_error(sums: dict[str, float], bound: float) -> str | None:
 def step_metrics(
     samples: list[Sample],
     trained_version: int,
-    sums: dict[str, float],
-    engines: EngineCounters,
-    engines_before: EngineCounters,
+    sums: LossStats,
+    engines: EngineStats,
+    engines_before: EngineStats,
     times: StepTimes,
     engine_slots: int = 0,
     multi_turn: bool = False,
@@ -174,7 +128,7 @@ def step_metrics(
     `engine_slots`: sequences an engine runs at most (`inference.max_num_seqs`; 0: no occupancy); `multi_turn`: the
     task runs episodes (`episode_metrics`, and the engines' tool calls by outcome during the step)."""
     lags = token_lags(samples, trained_version)
-    tokens = max(sums["tokens"], 1.0)
+    tokens = max(sums.tokens, 1.0)
     engine_elapsed = max(engines.elapsed_s - engines_before.elapsed_s, 1e-9)
     busy = engines.busy_s - engines_before.busy_s
     occupancy = {}
@@ -184,9 +138,9 @@ def step_metrics(
     episodes = {}
     if multi_turn:
         episodes = episode_metrics(samples, trained_version)
-        for i in range(1, TURN_BINS + 1):  # the paper's ESS of each model-turn index's tokens (the last: and later)
-            if sums.get(f"turn{i}_tokens", 0.0) > 0:
-                n, rho, rho2 = (sums[f"turn{i}_{k}"] for k in ("tokens", "rho", "rho2"))
+        # the paper's ESS of each model-turn index's tokens (the last: and later)
+        for i, (n, rho, rho2) in enumerate(zip(sums.turn_tokens, sums.turn_rho, sums.turn_rho2), 1):
+            if n > 0:
                 episodes[f"ess_turn/{i}"] = ess_from_sums(rho, rho2, n)
         episodes.update({k: getattr(engines, k) - getattr(engines_before, k) for k in TOOL_COUNTERS})
     return {
@@ -195,27 +149,27 @@ def step_metrics(
         **outcome_fractions(samples),
         "reward_mean": sum(s.reward for s in samples) / len(samples),
         # the paper's ESS, of the raw importance weights; and of the weights the loss applies (truncated at c)
-        "ess": ess_from_sums(sums["sum_rho"], sums["sum_rho2"], sums["tokens"]),
-        "ess_truncated": ess_from_sums(sums["sum_w"], sums["sum_w2"], sums["tokens"]),
+        "ess": ess_from_sums(sums.sum_rho, sums.sum_rho2, sums.tokens),
+        "ess_truncated": ess_from_sums(sums.sum_w, sums.sum_w2, sums.tokens),
         "lag_mean": sum(lags) / max(len(lags), 1),
         "lag_max": max(lags, default=0),
         "current_version_frac": sum(1 for x in lags if x == 0) / max(len(lags), 1),
         # sequences whose tokens come from more than one policy version (in-flight updates)
         "mixed_version_frac": sum(1 for s in samples if len(set(model_versions(s.versions))) > 1) / len(samples),
-        "entropy": sums["entropy"] / tokens,
-        "is_clipped_frac": sums["clipped"] / tokens,
+        "entropy": sums.entropy / tokens,
+        "is_clipped_frac": sums.clipped / tokens,
         # engine/trainer mismatch masking (loss.mask): tokens it left out of the loss, and the tokens / sequences
         # the token / sequence rule would leave out with [loss.mask_low, loss.mask_high] whichever rule is on;
         # the largest raw ratio pi / mu of the step
-        "masked_frac": sums["masked"] / tokens,
-        "mis_token_frac": sums["mis_tokens"] / tokens,
-        "mis_seq_frac": sums["mis_seqs"] / max(sums["sequences"], 1.0),
-        "is_ratio_max": math.exp(sums["max_log_ratio"]) if sums["tokens"] > 0 else float("nan"),
-        "kl": sums["kl"] / tokens,
+        "masked_frac": sums.masked / tokens,
+        "mis_token_frac": sums.mis_tokens / tokens,
+        "mis_seq_frac": sums.mis_seqs / max(sums.sequences, 1.0),
+        "is_ratio_max": math.exp(sums.max_log_ratio) if sums.tokens > 0 else float("nan"),
+        "kl": sums.kl / tokens,
         # engine vs trainer on the tokens the trained weights sampled themselves (lag 0): KL(engine || trainer)
         # (k3) and the mean |log ratio|; NaN in a step with no such token
         **mismatch(sums),
-        "completion_len": sums["tokens"] / len(samples),
+        "completion_len": sums.tokens / len(samples),
         "truncated_frac": sum(1 for s in samples if not s.finished) / len(samples),
         "zero_adv_group_frac": zero_advantage_group_frac(samples),
         "gen_tokens_per_s": (engines.gen_tokens - engines_before.gen_tokens) / (times.end - times.previous_end),

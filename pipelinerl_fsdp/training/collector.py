@@ -21,7 +21,7 @@ from pipelinerl_fsdp.config import RLConfig
 from pipelinerl_fsdp.rl.advantages import is_zero_advantage_group
 from pipelinerl_fsdp.runtime import stopping
 from pipelinerl_fsdp.runtime.stopping import StopRequested
-from pipelinerl_fsdp.samples import EvalReport, Sample, model_versions
+from pipelinerl_fsdp.samples import EngineStats, EvalReport, Sample, model_versions
 
 Group = list[Sample]
 
@@ -29,7 +29,7 @@ Group = list[Sample]
 class GroupSource(Protocol):
     """What the collector reads from (the rollout receiver; a fake in unit tests)."""
 
-    def get(self, timeout: float) -> tuple[int, Group | EvalReport, dict[str, float]] | None: ...
+    def get(self, timeout: float) -> tuple[int, Group | EvalReport, EngineStats] | None: ...
 
     def qsize(self) -> int: ...
 
@@ -64,7 +64,7 @@ class Collector:
     n_engines: int
     counts: CollectorCounts = field(default_factory=CollectorCounts)
     buffer: list[Group] = field(default_factory=list)
-    engine_stats: dict[int, dict[str, float]] = field(default_factory=dict)
+    engine_stats: dict[int, EngineStats] = field(default_factory=dict)
     pause_max: dict[int, float] = field(default_factory=dict)
     # inference index -> newest group id received from it (for the prompt streams' resume positions)
     max_gid: dict[int, int] = field(default_factory=dict)
@@ -113,12 +113,12 @@ class Collector:
         taken, self.buffer = self.buffer[:want], self.buffer[want:]
         return taken
 
-    def _take(self, got: tuple[int, Group | EvalReport, dict[str, float]], version: int) -> None:
+    def _take(self, got: tuple[int, Group | EvalReport, EngineStats], version: int) -> None:
         """File one received item: an evaluation report aside, a group into the buffer (unless filtered/stale)."""
         src, payload, stats = got
         self.engine_stats[src] = stats
         # the longest update pause each engine reported since the trainer last read them (`take_pause_max`)
-        self.pause_max[src] = max(self.pause_max.get(src, 0.0), stats.get("pause_ms_max", 0.0))
+        self.pause_max[src] = max(self.pause_max.get(src, 0.0), stats.pause_ms_max)
         if isinstance(payload, EvalReport):
             self.eval_reports.append(payload)
             return
@@ -136,7 +136,7 @@ class Collector:
             return
         self.buffer += self._drop_stale([group], version)
 
-    def _get(self, timeout: float, what: str) -> tuple[int, Group | EvalReport, dict[str, float]] | None:
+    def _get(self, timeout: float, what: str) -> tuple[int, Group | EvalReport, EngineStats] | None:
         """The source's next item (None: nothing within `timeout`); an error if it failed or every inference rank
         ended before `what`; `StopRequested` once the job is stopping (stopping.py), also in place of such an
         error when the stop explains it (the receiver fails, or ends, as the inference ranks die)."""

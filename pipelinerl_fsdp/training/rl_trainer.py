@@ -21,22 +21,16 @@ from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.job.world import World, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.models import save_hf_folder
+from pipelinerl_fsdp.records import total
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
+from pipelinerl_fsdp.rl.loss import LossStats
 from pipelinerl_fsdp.rl.normalization import assign_loss_weights
-from pipelinerl_fsdp.rl.step_metrics import (
-    LOSS_MAXES,
-    LOSS_SUMS,
-    EngineCounters,
-    StepTimes,
-    mismatch_error,
-    step_metrics,
-    update_pauses,
-)
+from pipelinerl_fsdp.rl.step_metrics import StepTimes, mismatch_error, step_metrics, update_pauses
 from pipelinerl_fsdp.runtime import stopping
 from pipelinerl_fsdp.runtime.faults import maybe_fail, nan_loss_at
 from pipelinerl_fsdp.runtime.processes import kill_descendants
 from pipelinerl_fsdp.runtime.stopping import StopRequested
-from pipelinerl_fsdp.samples import Sample
+from pipelinerl_fsdp.samples import EngineStats, Sample
 from pipelinerl_fsdp.training.checkpoint import load_checkpoint, save_checkpoint
 from pipelinerl_fsdp.training.collector import Collector
 from pipelinerl_fsdp.training.evaluation import EvalAggregator
@@ -44,14 +38,7 @@ from pipelinerl_fsdp.training.metrics import MetricsLogger, rl_console
 from pipelinerl_fsdp.training.parallelize import full_state_dict
 from pipelinerl_fsdp.training.policy import build_policy, load_sharded
 from pipelinerl_fsdp.training.rollout_log import RolloutLog, as_text
-from pipelinerl_fsdp.training.train_step import (
-    add_reference_logprobs,
-    forward_backward,
-    max_over_ranks,
-    merge_stats,
-    rl_loss_fn,
-    sum_over_ranks,
-)
+from pipelinerl_fsdp.training.train_step import add_reference_logprobs, forward_backward, reduce_over_ranks, rl_loss_fn
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, scatter_samples
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import PushStats, WeightSender
@@ -133,7 +120,7 @@ class RLTrainer:
             cfg.job.seed,
             cfg.metrics.rollouts_every,
         )
-        self._engines_before = EngineCounters()
+        self._engines_before = EngineStats()
         self._pauses_before = (0.0, 0.0)  # the engines' cumulative update pauses (ms, count) at the last record
         self._t_prev = time.perf_counter()
         self._push_s = 0.0  # the last step's weight push (wall time; 0 when nothing was pushed)
@@ -176,7 +163,7 @@ class RLTrainer:
         cfg, world, device = self.cfg, self.world, self.world.device
         maybe_fail(world.rank, step)
         t_start = time.perf_counter()
-        self._batch, waited, stats = [], 0.0, {}
+        self._batch, waited, waves = [], 0.0, []
         for wave in range(cfg.rl.waves):  # each part trained as soon as it is in hand (rl.waves)
             t_wait = time.perf_counter()
             mine = self._my_share()
@@ -202,14 +189,15 @@ class RLTrainer:
                 cfg.trainer.defer_grad_sync,
                 final=wave == cfg.rl.waves - 1,
             )
-            merge_stats(stats, wave_stats)
+            waves.append(total(wave_stats, LossStats()))
         # the step's time waiting for data, as if it had come first (busy time = the rest)
         t_data = t_start + waited
         if nan_loss_at(step):
             for p in self.policy.model.parameters():  # as if the loss had been NaN: every gradient NaN
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
-        self._check_mismatch(stats)
+        sums = reduce_over_ranks(total(waves, LossStats()), world.trainer_group, device)
+        self._check_mismatch(sums)
         lr = self.policy.lr
         t_finish = time.perf_counter()
         with waiting_for(f"the engines to receive weight version {self.version}", world.rank):
@@ -240,9 +228,6 @@ class RLTrainer:
         push = push or finished  # the statistics of the last push that has ended
         # the trainer's time blocked on pushes this step: this one, and the wait for the previous one above
         self._push_s = time.perf_counter() - t_push + finish_s
-        sums = dict(zip(LOSS_SUMS, sum_over_ranks([stats.get(k, 0.0) for k in LOSS_SUMS], world.trainer_group, device)))
-        maxima = [stats.get(k, float("-inf")) for k in LOSS_MAXES]
-        sums.update(zip(LOSS_MAXES, max_over_ranks(maxima, world.trainer_group, device)))
         t_end = time.perf_counter()
         if self.collector is not None:
             if last and cfg.eval.every and self.eval_sets:  # the final policy's evaluation belongs to the last step
@@ -263,15 +248,12 @@ class RLTrainer:
             )
         self._t_prev = t_end
 
-    def _check_mismatch(self, stats: dict[str, float]) -> None:
-        """`rl.check_mismatch`: before the first update, on every trainer rank (a collective)."""
+    def _check_mismatch(self, sums: LossStats) -> None:
+        """`rl.check_mismatch`: before the first update, on every trainer rank (`sums` reduced over them)."""
         bound = self.cfg.rl.check_mismatch
         if self._mismatch_checked or not bound:
             return
-        keys = ("lag0_tokens", "lag0_k3", "lag0_abs_log_ratio")
-        world = self.world
-        sums = dict(zip(keys, sum_over_ranks([stats.get(k, 0.0) for k in keys], world.trainer_group, world.device)))
-        if sums["lag0_tokens"] > 0:  # else the next step checks (no token of the trained version in this batch)
+        if sums.lag0_tokens > 0:  # else the next step checks (no token of the trained version in this batch)
             self._mismatch_checked = True
             error = mismatch_error(sums, bound)
             if error is not None:
@@ -281,7 +263,7 @@ class RLTrainer:
         self,
         step: int,
         trained_version: int,
-        sums: dict[str, float],
+        sums: LossStats,
         grad_norm: float,
         lr: float,
         push: PushStats | None,
@@ -289,7 +271,7 @@ class RLTrainer:
     ) -> None:
         c = self.collector
         assert c is not None
-        engines = EngineCounters.total(c.engine_stats)
+        engines = total(c.engine_stats.values(), EngineStats())
         values = step_metrics(
             self._batch,
             trained_version,
@@ -301,7 +283,7 @@ class RLTrainer:
             self.task.multi_turn,
         )
         self._engines_before = engines
-        pauses, self._pauses_before = update_pauses(c.engine_stats, self._pauses_before, c.pause_max)
+        pauses, self._pauses_before = update_pauses(engines, self._pauses_before, c.pause_max)
         c.pause_max = {}
         values.update(pauses)
         values.update(
@@ -318,7 +300,7 @@ class RLTrainer:
                 "filtered_zero_adv": c.counts.filtered_samples,
                 "skipped_nonfinite_steps": self.skipped_steps,
                 "dropped_nonfinite": c.counts.nonfinite_samples,
-                "skipped_long_prompts": sum(st["skipped_prompts"] for st in c.engine_stats.values()),
+                "skipped_long_prompts": engines.skipped_prompts,
             }
         )
         epoch = self.task.epoch(max(c.max_gid.values())) if c.max_gid else None

@@ -7,43 +7,43 @@ so it still joins every collective and contributes nothing to the gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from pipelinerl_fsdp.config import LossConfig
 from pipelinerl_fsdp.models.decoder import Transformer
-from pipelinerl_fsdp.rl.loss import micro_batch_loss
+from pipelinerl_fsdp.records import MAX, SUM, from_values, reductions, values
+from pipelinerl_fsdp.rl.batching import RLMicroBatch
+from pipelinerl_fsdp.rl.loss import LossStats, micro_batch_loss
+from pipelinerl_fsdp.rl.packing import PackedRow
 
-# (logp [1, T], entropy [1, T], micro-batch) -> (loss to backpropagate, summed statistics for logging)
-LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+M = TypeVar("M", bound=PackedRow)
+S = TypeVar("S")
+R = TypeVar("R")
+# (logp [1, T], entropy [1, T], micro-batch) -> (loss to backpropagate, the micro-batch's statistics for logging)
+LossFn = Callable[[torch.Tensor, torch.Tensor, M], tuple[torch.Tensor, S]]
+_OPS = {SUM: dist.ReduceOp.SUM, MAX: dist.ReduceOp.MAX}
 
 
-def rl_loss_fn(cfg: LossConfig, kl_coef: float, n_ranks: int) -> LossFn:
+def rl_loss_fn(cfg: LossConfig, kl_coef: float, n_ranks: int) -> LossFn[RLMicroBatch, LossStats]:
     """The RL step's loss per micro-batch: the policy loss, whose per-sample weights already normalise it over the
     whole step (rl/normalization.py), times `n_ranks`, because FSDP averages the gradients over the ranks while
     each rank's loss is already a share of the global sum (`tests/dist/dp_equivalence.py`: 1 and 2 ranks get the
     same gradients)."""
 
-    def loss_fn(
-        logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        loss, stats = micro_batch_loss(logp, ent, mb, cfg, kl_coef)
+    def loss_fn(logp: torch.Tensor, ent: torch.Tensor, mb: RLMicroBatch) -> tuple[torch.Tensor, LossStats]:
+        loss, stats = micro_batch_loss(logp, ent, mb.loss_input, cfg, kl_coef)
         return loss * n_ranks, stats
 
     return loss_fn
 
 
-def merge_stats(into: dict[str, float], new: dict[str, float]) -> None:
-    """Add a micro-batch's (or a wave's) statistics to the step's: sums, except `max_*` keys (maxima)."""
-    for k, v in new.items():
-        into[k] = max(into.get(k, v), v) if k.startswith("max_") else into.get(k, 0.0) + v
-
-
-def _dummy_micro_batch(device: torch.device) -> dict[str, torch.Tensor]:
+def _dummy_micro_batch(device: torch.device) -> PackedRow:
     one = torch.zeros(1, 1, dtype=torch.long, device=device)
-    return {"input_ids": one, "position_ids": one, "targets": one}
+    return PackedRow(one, one, one, one)
 
 
 def agree_max(value: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
@@ -59,47 +59,51 @@ def sum_over_ranks(values: list[float], group: dist.ProcessGroup | None, device:
     return t.tolist()
 
 
-def max_over_ranks(values: list[float], group: dist.ProcessGroup | None, device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
+def reduce_over_ranks(record: R, group: dist.ProcessGroup | None, device: torch.device) -> R:
+    """A record (records.py) combined over the ranks of `group`, each field with its reduction: one all_reduce per
+    reduction the record's fields use (float64)."""
+    for kind in reductions(type(record)):
+        t = torch.tensor(values(record, kind), dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=_OPS[kind], group=group)
+        record = from_values(record, t.tolist(), kind)
+    return record
 
 
 def forward_backward(
     model: Transformer,
-    micro_batches: list[dict[str, torch.Tensor]],
-    loss_fn: LossFn,
+    micro_batches: Sequence[M],
+    loss_fn: LossFn[M, S],
     temperature: float,
     group: dist.ProcessGroup | None,
     device: torch.device,
     chunk_size: int = 1024,
     defer_grad_sync: bool = False,
     final: bool = True,
-) -> dict[str, float]:
+) -> list[S]:
     """Accumulate gradients over this rank's micro-batches (lockstep with the other ranks).
 
     Gradients are reduce-scattered after every micro-batch (each rank keeps only its shard); `defer_grad_sync`
     reduces once after the step's last one instead (`trainer.defer_grad_sync`): the last of this call when `final`,
-    else a later call's (a step whose batch comes in parts, `rl.waves`). Returns this rank's summed statistics
-    (callers reduce them across ranks).
+    else a later call's (a step whose batch comes in parts, `rl.waves`). Returns the statistics of each of this
+    rank's micro-batches (callers combine them, and reduce them across ranks).
     """
     n = agree_max(len(micro_batches), group, device)
-    stats: dict[str, float] = {}
+    stats: list[S] = []
     for i in range(n):
         real = i < len(micro_batches)
         mb = micro_batches[i] if real else _dummy_micro_batch(device)
         model.set_requires_gradient_sync(not defer_grad_sync or (final and i == n - 1))
         logp, ent = model(
-            mb["input_ids"],
-            mb["position_ids"],
-            targets=mb["targets"],
+            mb.input_ids,
+            mb.position_ids,
+            targets=mb.targets,
             temperature=temperature,
             logprob_chunk_size=chunk_size,
-            logprob_positions=mb.get("mask"),  # completion tokens only (the dummy pass has no mask: its one token)
+            logprob_positions=mb.logprob_positions(),  # the loss's tokens only (the dummy pass: its one token)
         )
         if real:
-            loss, s = loss_fn(logp, ent, mb)
-            merge_stats(stats, s)
+            loss, s = loss_fn(logp, ent, micro_batches[i])
+            stats.append(s)
         else:
             loss = logp.sum() * 0.0
         loss.backward()
@@ -109,26 +113,26 @@ def forward_backward(
 @torch.no_grad()
 def add_reference_logprobs(
     ref_model: Transformer,
-    micro_batches: list[dict[str, torch.Tensor]],
+    micro_batches: list[RLMicroBatch],
     temperature: float,
     group: dist.ProcessGroup | None,
     device: torch.device,
     chunk_size: int = 1024,
 ) -> None:
-    """Log-probs of the targets under a frozen reference model, stored as micro_batch["ref_logp"] (lockstep)."""
+    """Log-probs of the targets under a frozen reference model, stored as the micro-batches' `ref_logp` (lockstep)."""
     n = agree_max(len(micro_batches), group, device)
     for i in range(n):
-        mb = micro_batches[i] if i < len(micro_batches) else _dummy_micro_batch(device)
+        mb: PackedRow = micro_batches[i] if i < len(micro_batches) else _dummy_micro_batch(device)
         logp, _ = ref_model(
-            mb["input_ids"],
-            mb["position_ids"],
-            targets=mb["targets"],
+            mb.input_ids,
+            mb.position_ids,
+            targets=mb.targets,
             temperature=temperature,
             logprob_chunk_size=chunk_size,
-            logprob_positions=mb.get("mask"),
+            logprob_positions=mb.logprob_positions(),
         )
         if i < len(micro_batches):
-            micro_batches[i]["ref_logp"] = logp
+            micro_batches[i].loss_input.ref_logp = logp[0]
 
 
 def clip_and_step(

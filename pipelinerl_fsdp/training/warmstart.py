@@ -24,7 +24,7 @@ from pipelinerl_fsdp.episodes import env_turn_ids
 from pipelinerl_fsdp.job.world import World
 from pipelinerl_fsdp.models import Transformer, build_model, flavour_args, load_hf_model, save_hf_folder
 from pipelinerl_fsdp.preflight import check_sequence_budget, check_vocab, stop_token_ids
-from pipelinerl_fsdp.rl.packing import collate_packed, pack_into_bins
+from pipelinerl_fsdp.rl.packing import PackedRow, pack_into_bins, pack_row, per_target
 from pipelinerl_fsdp.tasks import Problem, ProblemStream, Task, make_task
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer, encode_prompt, load_tokenizer
 from pipelinerl_fsdp.training.evaluation import greedy_accuracy
@@ -115,6 +115,25 @@ def encode_supervised(
     return seq, mask
 
 
+@dataclasses.dataclass
+class SupervisedBatch(PackedRow):
+    """A packed micro-batch of the warm start: the row, and 1 on the targets the loss counts ([T])."""
+
+    loss_mask: torch.Tensor
+
+
+def supervised_micro_batches(
+    seqs: list[list[int]], masks: list[list[float]], budget: int, device: torch.device
+) -> list[SupervisedBatch]:
+    """Sequences and their loss masks (`encode_supervised`) packed into micro-batches under `budget` tokens."""
+    out = []
+    for b in pack_into_bins([len(s) for s in seqs], budget):
+        row_seqs = [seqs[i] for i in b]
+        mask = per_target(row_seqs, [masks[i] for i in b], "loss_mask", device)
+        out.append(SupervisedBatch(**vars(pack_row(row_seqs, device)), loss_mask=mask))
+    return out
+
+
 def _check_generation_budget(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase) -> None:
     problems = task.eval_split() or [task.train_problem(cfg.job.seed, i) for i in range(100)]
     n_prompt = {id(p): len(encode_prompt(tokenizer, p.prompt, cfg.tokenizer)) for p in problems}
@@ -195,14 +214,13 @@ def run_warmstart(cfg: Config, world: World) -> Path:
         seqs, masks = [e[0] for e in encoded], [e[1] for e in encoded]
         n_loss_tokens = sum_over_ranks([sum(sum(m) for m in masks)], group, device)[0]
 
-        def loss_fn(logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor], n_loss_tokens=n_loss_tokens):
-            nll = -(logp * mb["loss_mask"]).sum()
+        def loss_fn(logp: torch.Tensor, ent: torch.Tensor, mb: SupervisedBatch, n_loss_tokens=n_loss_tokens):
+            nll = -(logp * mb.loss_mask).sum()
             # FSDP averages gradients over ranks: scale so the step minimises the mean over all ranks' tokens.
-            return nll * n_ranks / n_loss_tokens, {"nll": float(nll.detach())}
+            return nll * n_ranks / n_loss_tokens, float(nll.detach())
 
-        bins = pack_into_bins([len(s) for s in seqs], cfg.trainer.micro_batch_tokens)
-        micro = [collate_packed([seqs[i] for i in b], {"loss_mask": [masks[i] for i in b]}, device) for b in bins]
-        stats = forward_backward(
+        micro = supervised_micro_batches(seqs, masks, cfg.trainer.micro_batch_tokens, device)
+        nlls = forward_backward(
             model, micro, loss_fn, 1.0, group, device, cfg.trainer.logprob_chunk_size, cfg.trainer.defer_grad_sync
         )
         lr = policy.lr
@@ -214,7 +232,7 @@ def run_warmstart(cfg: Config, world: World) -> Path:
             accuracy = evaluate()  # the same on every rank (counts summed), so every rank stops at the same step
         stop = evaluated and bool(ws.stop_at_accuracy) and accuracy >= ws.stop_at_accuracy
         if (step + 1) % cfg.metrics.log_every == 0 or last or stop:
-            nll = sum_over_ranks([stats.get("nll", 0.0)], group, device)[0]
+            nll = sum_over_ranks([sum(nlls, 0.0)], group, device)[0]
             toks = sum_over_ranks([float(total_tokens)], group, device)[0]
             now = time.time()
             values = {

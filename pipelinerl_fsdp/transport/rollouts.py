@@ -1,7 +1,8 @@
 """Rollout queues: finished groups travel inference rank -> first trainer rank over torch.distributed send/recv.
 
 A message is a tensor header (tag 1) followed by two flat payloads (int64 tag 2, float32 tag 3), never pickled
-objects (tensors are ~10x faster for this). Each side runs the blocking send/recv in its own thread, the only
+objects (tensors are ~10x faster for this); the floats open with the sending engine's counters (`EngineStats`, its
+fields in order). Each side runs the blocking send/recv in its own thread, the only
 user of the rollout group on that rank, behind a bounded `queue.Queue`:
 - the engine puts finished groups and keeps generating; `put` blocks only when the queue is full (backpressure);
 - the trainer's receiver thread receives from any source (any-source recv on the header tag) into a bounded
@@ -17,29 +18,15 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from pipelinerl_fsdp.records import from_values, values
 from pipelinerl_fsdp.runtime.stopping import StopRequested
-from pipelinerl_fsdp.samples import EvalReport, Sample
+from pipelinerl_fsdp.samples import EngineStats, EvalReport, Sample
 
 HEADER_TAG, INTS_TAG, FLOATS_TAG = 1, 2, 3
 DATA, DONE, EVAL = 1, 2, 3
 _HEADER_LEN = 4  # kind, n_samples, n_ints, n_floats
-# Cumulative engine counters sent with every message (first floats of the payload), for throughput metrics.
-ENGINE_STATS = (
-    "gen_tokens",
-    "busy_s",
-    "elapsed_s",
-    "updates",
-    "pause_ms_sum",
-    "pause_ms_max",
-    "skipped_prompts",
-    "seq_s",
-    "send_blocked_s",
-    "kv_recomputed",
-    "tool_calls",
-    "tool_timeout",
-    "tool_error",
-    "tool_output_truncated",
-)
+# The engine's cumulative counters travel with every message, as the first floats of its payload.
+_N_STATS = len(values(EngineStats()))
 
 
 def encode_samples(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +58,36 @@ def decode_samples(n: int, ints: torch.Tensor, floats: torch.Tensor) -> list[Sam
     if i != len(iv) or f != len(fv):
         raise RuntimeError("rollout message: payload longer than its samples (corrupt or mismatched message)")
     return out
+
+
+def encode_message(
+    payload: list[Sample] | EvalReport, stats: list[float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A group (or an evaluation report) and the sender's counters (`values` of its `EngineStats`) as a message:
+    (header, ints, floats)."""
+    if isinstance(payload, EvalReport):
+        kind, n = EVAL, len(payload.problems)
+        ints = torch.tensor(
+            [payload.set_index, payload.version, payload.samples, *payload.problems, *payload.correct], dtype=torch.long
+        )
+        floats = torch.tensor(stats, dtype=torch.float32)
+    else:
+        kind, n = DATA, len(payload)
+        ints, floats = encode_samples(payload)
+        floats = torch.cat([torch.tensor(stats, dtype=torch.float32), floats])
+    header = torch.tensor([kind, n, ints.numel(), floats.numel()], dtype=torch.long)
+    return header, ints, floats
+
+
+def decode_message(
+    kind: int, n: int, ints: torch.Tensor, floats: torch.Tensor
+) -> tuple[list[Sample] | EvalReport, EngineStats]:
+    """Inverse of encode_message, from the header's kind and count and the two payloads."""
+    stats = from_values(EngineStats(), floats[:_N_STATS].tolist())
+    if kind == EVAL:
+        iv = ints.tolist()
+        return EvalReport(iv[0], iv[1], iv[2], iv[3 : 3 + n], iv[3 + n :]), stats
+    return decode_samples(n, ints, floats[_N_STATS:]), stats
 
 
 def scatter_samples(
@@ -120,12 +137,12 @@ class RolloutSender:
         self._thread = threading.Thread(target=self._run, name="rollout-sender", daemon=True)
         self._thread.start()
 
-    def put(self, samples: list[Sample] | EvalReport, stats: dict[str, float], timeout: float | None = None) -> bool:
-        """Queue a group (or an evaluation report) with the engine's ENGINE_STATS counters for sending; False if
-        the queue stayed full for `timeout` seconds."""
+    def put(self, samples: list[Sample] | EvalReport, stats: EngineStats, timeout: float | None = None) -> bool:
+        """Queue a group (or an evaluation report) with the engine's counters as they are now (copied) for sending;
+        False if the queue stayed full for `timeout` seconds."""
         self._raise_if_failed()
         try:
-            self._q.put((samples, [float(stats[k]) for k in ENGINE_STATS]), timeout=timeout)
+            self._q.put((samples, values(stats)), timeout=timeout)
             return True
         except queue.Full:
             return False
@@ -152,19 +169,7 @@ class RolloutSender:
                         torch.tensor([DONE, 0, 0, 0], dtype=torch.long), self.dst, group=self.group, tag=HEADER_TAG
                     )
                     return
-                payload, stats = item
-                if isinstance(payload, EvalReport):
-                    kind, n = EVAL, len(payload.problems)
-                    ints = torch.tensor(
-                        [payload.set_index, payload.version, payload.samples, *payload.problems, *payload.correct],
-                        dtype=torch.long,
-                    )
-                    floats = torch.tensor(stats, dtype=torch.float32)
-                else:
-                    kind, n = DATA, len(payload)
-                    ints, floats = encode_samples(payload)
-                    floats = torch.cat([torch.tensor(stats, dtype=torch.float32), floats])
-                header = torch.tensor([kind, n, ints.numel(), floats.numel()], dtype=torch.long)
+                header, ints, floats = encode_message(*item)
                 dist.send(header, self.dst, group=self.group, tag=HEADER_TAG)
                 dist.send(ints, self.dst, group=self.group, tag=INTS_TAG)
                 dist.send(floats, self.dst, group=self.group, tag=FLOATS_TAG)
@@ -177,13 +182,13 @@ class RolloutReceiver:
 
     def __init__(self, group: dist.ProcessGroup, n_senders: int, max_queued: int = 64) -> None:
         self.group, self.n_senders = group, n_senders
-        self._q: queue.Queue[tuple[int, list[Sample] | EvalReport, dict[str, float]]] = queue.Queue(maxsize=max_queued)
+        self._q: queue.Queue[tuple[int, list[Sample] | EvalReport, EngineStats]] = queue.Queue(maxsize=max_queued)
         self.error: BaseException | None = None
         self.done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rollout-receiver", daemon=True)
         self._thread.start()
 
-    def get(self, timeout: float) -> tuple[int, list[Sample] | EvalReport, dict[str, float]] | None:
+    def get(self, timeout: float) -> tuple[int, list[Sample] | EvalReport, EngineStats] | None:
         """(sender rank, a group's samples or an evaluation report, engine counters), or None if nothing arrived
         within `timeout` s."""
         if self.error is not None:
@@ -224,13 +229,7 @@ class RolloutReceiver:
                 floats = torch.empty(n_floats, dtype=torch.float32)
                 dist.recv(ints, src, group=self.group, tag=INTS_TAG)
                 dist.recv(floats, src, group=self.group, tag=FLOATS_TAG)
-                k = len(ENGINE_STATS)
-                stats = dict(zip(ENGINE_STATS, floats[:k].tolist()))
-                if kind == EVAL:
-                    iv = ints.tolist()
-                    payload: list[Sample] | EvalReport = EvalReport(iv[0], iv[1], iv[2], iv[3 : 3 + n], iv[3 + n :])
-                else:
-                    payload = decode_samples(n, ints, floats[k:])
+                payload, stats = decode_message(kind, n, ints, floats)
                 self._q.put((src, payload, stats))
         except BaseException as e:
             self.error = e

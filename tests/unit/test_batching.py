@@ -42,17 +42,19 @@ def test_micro_batches_align_fields_with_targets():
     s1, s2 = sample(3, 2, adv=1.5), sample(2, 3, adv=-0.5)
     (mb,) = rl_micro_batches([s1, s2], budget=64, device=torch.device("cpu"))
     # targets: s1 has 4 (2 prompt targets, then 2 completion tokens), s2 has 4 (1 prompt target, 3 completion)
-    assert mb["mask"][0].tolist() == [0, 0, 1, 1, 0, 1, 1, 1]
-    assert mb["advantage"][0].tolist() == [0, 0, 1.5, 1.5, 0, -0.5, -0.5, -0.5]
-    assert mb["behaviour_logp"][0].tolist() == [0, 0, -0.5, -0.5, 0, -0.5, -0.5, -0.5]
-    assert mb["targets"][0].tolist() == [2, 3, 10, 11, 2, 10, 11, 12]
-    assert mb["position_ids"][0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert mb.loss_input.mask.tolist() == [0, 0, 1, 1, 0, 1, 1, 1]
+    assert mb.loss_input.advantage.tolist() == [0, 0, 1.5, 1.5, 0, -0.5, -0.5, -0.5]
+    assert mb.loss_input.behaviour_logp.tolist() == [0, 0, -0.5, -0.5, 0, -0.5, -0.5, -0.5]
+    assert mb.targets[0].tolist() == [2, 3, 10, 11, 2, 10, 11, 12]
+    assert mb.position_ids[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert mb.loss_input.seq.tolist() == mb.seq_index[0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert mb.logprob_positions().tolist() == [mb.loss_input.mask.tolist()]  # the model's log-probs: there only
 
 
 def test_micro_batches_respect_the_budget():
     samples = [sample(4, 10) for _ in range(10)]  # 14 tokens each
     mbs = rl_micro_batches(samples, budget=30, device=torch.device("cpu"))
-    assert len(mbs) == 5 and all(mb["input_ids"].shape[1] + 2 <= 30 for mb in mbs)
+    assert len(mbs) == 5 and all(mb.input_ids.shape[1] + 2 <= 30 for mb in mbs)
 
 
 def test_micro_batches_mark_the_tokens_the_trained_version_sampled():
@@ -60,6 +62,6 @@ def test_micro_batches_mark_the_tokens_the_trained_version_sampled():
     s1.versions[:] = [4, 5]
     s2.versions[:] = [5, 5, 3]
     (mb,) = rl_micro_batches([s1, s2], budget=64, device=torch.device("cpu"), version=5)
-    assert mb["current"][0].tolist() == [0, 0, 0, 1, 0, 1, 1, 0]
+    assert mb.loss_input.current.tolist() == [0, 0, 0, 1, 0, 1, 1, 0]
     (mb,) = rl_micro_batches([s1, s2], budget=64, device=torch.device("cpu"))
-    assert "current" not in mb
+    assert mb.loss_input.current is None

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pipelinerl_fsdp.inference.busy import BusyClock
-from pipelinerl_fsdp.rl.step_metrics import EngineCounters, StepTimes, step_metrics
-from pipelinerl_fsdp.samples import Sample
+from pipelinerl_fsdp.rl.loss import LossStats
+from pipelinerl_fsdp.rl.step_metrics import StepTimes, step_metrics
+from pipelinerl_fsdp.samples import EngineStats, Sample
 
 
 class Clock:
@@ -48,15 +49,14 @@ def sample() -> Sample:
     return Sample(0, [1, 2], [5, 6], [-1.0, -1.0], [3, 3], 1.0, 0.0, True)
 
 
-SUMS = {k: 2.0 for k in ("sum_rho", "sum_rho2", "sum_w", "sum_w2", "tokens")} | {"entropy": 0, "clipped": 0, "kl": 0}
-SUMS |= {"masked": 0, "mis_tokens": 0, "mis_seqs": 0, "sequences": 1, "max_log_ratio": 0.0}
+SUMS = LossStats(sum_rho=2.0, sum_rho2=2.0, sum_w=2.0, sum_w2=2.0, tokens=2.0, sequences=1, max_log_ratio=0.0)
 
 
 def test_blocked_time_is_reported_beside_busy_not_inside_it():
     # a 10 s step: 2 s waiting for data, 8 s after it of which 3 s blocked on weight pushes
     times = StepTimes(start=0.0, data=2.0, end=10.0, previous_end=0.0, push_blocked_s=3.0)
-    before = EngineCounters(elapsed_s=0.0, send_blocked_s=1.0)
-    now = EngineCounters(busy_s=4.0, elapsed_s=10.0, send_blocked_s=6.0)
+    before = EngineStats(elapsed_s=0.0, send_blocked_s=1.0)
+    now = EngineStats(busy_s=4.0, elapsed_s=10.0, send_blocked_s=6.0)
     m = step_metrics([sample()], 3, SUMS, now, before, times)
     assert m["trainer_busy_frac"] == pytest.approx(0.5) and m["trainer_push_blocked_frac"] == pytest.approx(0.3)
     assert m["inference_busy_frac"] == pytest.approx(0.4) and m["inference_send_blocked_frac"] == pytest.approx(0.5)

@@ -9,7 +9,7 @@ import pytest
 
 from pipelinerl_fsdp.config import RLConfig
 from pipelinerl_fsdp.rl.advantages import group_advantages
-from pipelinerl_fsdp.samples import Sample
+from pipelinerl_fsdp.samples import EngineStats, Sample
 from pipelinerl_fsdp.training.collector import Collector, group_lag, split_stale
 
 
@@ -34,7 +34,7 @@ class FakeSource:
     def get(self, timeout: float):
         if self.groups:
             g = self.groups.pop(0)
-            return 1, g, {"gen_tokens": 1.0, "busy_s": 1.0, "elapsed_s": 1.0, "pause_ms_max": 0.0}
+            return 1, g, EngineStats(gen_tokens=1.0, busy_s=1.0, elapsed_s=1.0)
         return None
 
     def qsize(self) -> int:

@@ -12,8 +12,8 @@ from pipelinerl_fsdp.rl.batching import after_update_marks, rl_micro_batches
 from pipelinerl_fsdp.rl.loss import micro_batch_loss
 from pipelinerl_fsdp.rl.normalization import assign_loss_weights
 from pipelinerl_fsdp.rl.objectives import CONFIGS
-from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, EngineCounters, StepTimes, step_metrics, token_lags
-from pipelinerl_fsdp.samples import ENV_VERSION, Sample
+from pipelinerl_fsdp.rl.step_metrics import StepTimes, step_metrics, token_lags
+from pipelinerl_fsdp.samples import ENV_VERSION, EngineStats, Sample
 from pipelinerl_fsdp.training.collector import group_lag
 from pipelinerl_fsdp.transport.rollouts import decode_samples, encode_samples
 
@@ -33,12 +33,12 @@ def loss_and_grad(s: Sample, logp_values: list[float], loss_name: str) -> tuple[
     assign_loss_weights([s], cfg, batch_size=1, attempts=1, max_new_tokens=16)
     (mb,) = rl_micro_batches([s], budget=64, device=torch.device("cpu"), version=5)
     n_prompt_targets = len(s.prompt_ids) - 1
-    logp = torch.zeros(1, mb["mask"].shape[1])
+    logp = torch.zeros(1, mb.loss_input.mask.shape[0])
     logp[0, n_prompt_targets : n_prompt_targets + len(logp_values)] = torch.tensor(logp_values)
     logp.requires_grad_(True)
-    loss, stats = micro_batch_loss(logp, torch.zeros_like(logp), mb, objective_cfg, 0.0)
+    loss, stats = micro_batch_loss(logp, torch.zeros_like(logp), mb.loss_input, objective_cfg, 0.0)
     loss.backward()
-    assert stats["tokens"] == 5 and stats["lag0_tokens"] == 3 and stats["lag0_after_update_tokens"] == 3
+    assert stats.tokens == 5 and stats.lag0_tokens == 3 and stats.lag0_after_update_tokens == 3
     return loss.item(), logp.grad[0, n_prompt_targets : n_prompt_targets + len(logp_values)]
 
 
@@ -71,8 +71,8 @@ def test_normalisation_and_lags_count_only_sampled_tokens():
     assert after_update_marks([4, 5, E, 4, 6, 6]) == [0.0, 1.0, 0.0, 0.0, 1.0, 1.0]
     assert after_update_marks([E, E, 3, 4]) == [0.0, 0.0, 0.0, 1.0]  # the first sampled token sets the start
     (mb,) = rl_micro_batches([s], 64, torch.device("cpu"), version=5)
-    assert mb["mask"][0, 2:].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
-    assert mb["current"][0, 2:].tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert mb.loss_input.mask[2:].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert mb.loss_input.current[2:].tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
 
 
 def test_environment_tokens_travel_unchanged():
@@ -90,21 +90,19 @@ def test_ess_per_turn_index_counts_each_model_turns_tokens_only():
     neither, and the step's metric is `ess_turn/<i>` for a multi-turn task."""
     s = sample([0.0] * 7)
     (mb,) = rl_micro_batches([s], 64, torch.device("cpu"), version=5)
-    assert mb["turn"][0, 2:].tolist() == [1.0, 1.0, 0.0, 0.0, 2.0, 2.0, 2.0]
+    assert mb.loss_input.turn[2:].tolist() == [1.0, 1.0, 0.0, 0.0, 2.0, 2.0, 2.0]
     log_ratio = torch.tensor([0.1, -0.3, 9.0, 9.0, 0.2, 0.0, -0.5])  # huge values on the environment's tokens
-    logp = torch.zeros(1, mb["mask"].shape[1])
+    logp = torch.zeros(1, mb.loss_input.mask.shape[0])
     logp[0, 2:] = log_ratio
-    _, stats = micro_batch_loss(logp, torch.zeros_like(logp), mb, CONFIGS["reinforce_tis"](), 0.0)
-    sums = {k: stats.get(k, 0.0) for k in LOSS_SUMS}
-    sums["max_log_ratio"] = stats["max_log_ratio"]
+    _, stats = micro_batch_loss(logp, torch.zeros_like(logp), mb.loss_input, CONFIGS["reinforce_tis"](), 0.0)
 
     def ess(x: torch.Tensor) -> float:
         w = torch.exp(x)
         return float(w.sum() ** 2 / (w * w).sum() / len(w))
 
-    assert stats["turn1_tokens"] == 2 and stats["turn2_tokens"] == 3 and stats["turn3_tokens"] == 0
+    assert stats.turn_tokens[:3] == (2, 3, 0)  # turns 1, 2, 3
     times = StepTimes(0.0, 0.0, 1.0, 0.0)
-    m = step_metrics([s], 5, sums, EngineCounters(), EngineCounters(), times, multi_turn=True)
+    m = step_metrics([s], 5, stats, EngineStats(), EngineStats(), times, multi_turn=True)
     assert m["ess_turn/1"] == pytest.approx(ess(log_ratio[:2]), rel=1e-5)
     assert m["ess_turn/2"] == pytest.approx(ess(log_ratio[4:]), rel=1e-5)
     assert "ess_turn/3" not in m and m["turns_per_episode"] == 2 and m["env_tokens_per_episode"] == 2

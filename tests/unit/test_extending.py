@@ -20,7 +20,7 @@ from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.factory import engine_class
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.rl import objectives
-from pipelinerl_fsdp.rl.loss import policy_loss
+from pipelinerl_fsdp.rl.loss import LossInput, policy_loss
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "extending.md"
 
@@ -86,7 +86,7 @@ def test_the_docs_loss_example_registers_and_matches_reinforce_on_policy():
         ):
             logp.grad = None
             loss_cfg = cfg.loss if kind != "reinforce_tis" else objectives.CONFIGS["reinforce_tis"]()
-            loss, _ = policy_loss(logp, behaviour, adv, mask, weight, loss_cfg)
+            loss, _ = policy_loss(logp, LossInput(mask, behaviour, adv, weight), loss_cfg)
             loss.backward()
             grads[kind] = logp.grad.clone()
     assert (cfg.loss.name, cfg.loss.scale) == ("plain_pg", 2.0)

@@ -19,7 +19,7 @@ from pipelinerl_fsdp.inference.worker import InferenceWorker
 from pipelinerl_fsdp.job.weight_sync import WeightSyncLayout
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
-from pipelinerl_fsdp.samples import EvalReport
+from pipelinerl_fsdp.samples import EngineStats, EvalReport
 from pipelinerl_fsdp.tasks import TASKS, make_task
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer
@@ -114,7 +114,7 @@ class FakeTrainer:
         self.evaluated: list[int] = []  # versions of the evaluation reports received
         self.refused = 0
 
-    def put(self, payload: object, stats: dict[str, float], timeout: float | None = None) -> bool:
+    def put(self, payload: object, stats: EngineStats, timeout: float | None = None) -> bool:
         waiting = any(kind == UPDATE for kind, _ in self.receiver.headers)
         if self.steps < self.max_steps and waiting and len(self.groups) >= self.groups_per_step:
             self.refused += 1  # waiting for the push to be taken, with the next step's batch in hand

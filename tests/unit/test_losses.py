@@ -13,7 +13,7 @@ import torch
 from pipelinerl_fsdp.config import ConfigError
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.rl.advantages import overlong_penalty, shaped_group_advantages
-from pipelinerl_fsdp.rl.loss import policy_loss
+from pipelinerl_fsdp.rl.loss import LossInput, LossStats, policy_loss
 from pipelinerl_fsdp.rl.normalization import assign_loss_weights, sample_weights
 from pipelinerl_fsdp.rl.objectives import CONFIGS, OBJECTIVES
 from pipelinerl_fsdp.samples import Sample
@@ -88,12 +88,12 @@ def closed_form(name: str, cfg) -> tuple[float, list[float]]:
     return loss, grad
 
 
-def run(cfg) -> tuple[float, list[float], dict[str, float]]:
+def run(cfg) -> tuple[float, list[float], LossStats]:
     mb = micro_batch()
     logp = mb["logp"].clone().requires_grad_()
     per_sample = hand_weights(cfg.normalize)
     weight = torch.tensor([0.0] + [per_sample[i] for i in mb["seq"][1:].tolist()], dtype=torch.float64)
-    loss, stats = policy_loss(logp, mb["behaviour"], mb["adv"], mb["mask"], weight, cfg, mb["seq"])
+    loss, stats = policy_loss(logp, LossInput(mb["mask"], mb["behaviour"], mb["adv"], weight, mb["seq"]), cfg)
     loss.backward()
     assert logp.grad[0] == 0  # the prompt position
     return loss.item(), logp.grad[1:].tolist(), stats
@@ -131,11 +131,11 @@ def test_hand_computed_values_of_the_paper_loss_and_of_ppo():
     a = [1, 1, -1, -1, -1, 0.5, -0.5, -0.5]
     assert loss == pytest.approx(-sum(x * y * p for x, y, p in zip(w, a, LOGP)) / 4, rel=1e-9)
     assert grad[3] == pytest.approx(5.0 / 4)  # -5 * (-1) / 4: the truncated weight
-    assert stats["clipped"] == 1 and stats["tokens"] == 8 and stats["sequences"] == 4
+    assert stats.clipped == 1 and stats.tokens == 8 and stats.sequences == 4
     # ppo, eps 0.2: tokens 0.741 (A > 0) and 7.39 (A < 0) keep the unclipped term (pessimistic); 0.202 with A < 0 is
     # clipped at 0.8 and loses its gradient
     _, grad, stats = run(CONFIGS["ppo"]())
-    assert grad[6] == 0 and grad[3] == pytest.approx(math.exp(2.0) / 4) and stats["clipped"] == 1
+    assert grad[6] == 0 and grad[3] == pytest.approx(math.exp(2.0) / 4) and stats.clipped == 1
 
 
 def test_sequence_level_tis_weights_every_token_of_a_sequence_by_its_truncated_product():
@@ -146,7 +146,7 @@ def test_sequence_level_tis_weights_every_token_of_a_sequence_by_its_truncated_p
     # sample 1: product e^1.95 = 7.03 -> 1.5 at each of its tokens; sample 3: e^-1.55 = 0.21, untruncated
     assert grad[2] == grad[3] == grad[4] == pytest.approx(1.5 / 4)
     assert grad[6] == pytest.approx(-math.exp(-1.55) * -0.5 / 4)
-    assert stats["clipped"] == 3  # the three tokens of the truncated sequence
+    assert stats.clipped == 3  # the three tokens of the truncated sequence
 
 
 def test_gspo_clips_whole_sequences_on_their_geometric_mean_ratio():
@@ -158,7 +158,7 @@ def test_gspo_clips_whole_sequences_on_their_geometric_mean_ratio():
     assert grad[0] == grad[1] == pytest.approx(-s[0] * 1.0 / (4 * 2))  # s_i A_i grad log pi, over B n_i
     assert grad[2:5] == pytest.approx([s[1] / (4 * 3)] * 3)
     assert grad[5:] == [0.0, 0.0, 0.0]  # samples 2 and 3: clipped, whole sequences
-    assert stats["clipped"] == 3
+    assert stats.clipped == 3
 
 
 def test_token_and_sequence_masks_leave_out_what_lies_outside_the_bounds():
@@ -171,10 +171,10 @@ def test_token_and_sequence_masks_leave_out_what_lies_outside_the_bounds():
         assert [g for i, g in enumerate(grad) if i not in out] == pytest.approx(
             [g for i, g in enumerate(full) if i not in out]
         )
-        assert stats["masked"] == 2 and stats["mis_tokens"] == 2 and stats["mis_seqs"] == 1
+        assert stats.masked == 2 and stats.mis_tokens == 2 and stats.mis_seqs == 1
     _, _, stats = run(CONFIGS["reinforce_tis"]())  # no mask: the rules are measured all the same
-    assert stats["masked"] == 0 and stats["mis_tokens"] == 2 and stats["mis_seqs"] == 1
-    assert stats["max_log_ratio"] == pytest.approx(2.0)
+    assert stats.masked == 0 and stats.mis_tokens == 2 and stats.mis_seqs == 1
+    assert stats.max_log_ratio == pytest.approx(2.0)
 
 
 def test_sample_weights_by_hand():

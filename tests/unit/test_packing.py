@@ -1,11 +1,11 @@
-"""Packing: bins respect the budget and cover every sequence once; collation aligns targets and fields."""
+"""Packing: bins respect the budget and cover every sequence once; a packed row aligns targets and fields."""
 
 import random
 
 import pytest
 import torch
 
-from pipelinerl_fsdp.rl.packing import collate_packed, pack_into_bins
+from pipelinerl_fsdp.rl.packing import pack_into_bins, pack_row, per_target
 
 
 def test_bins_cover_each_sequence_once_under_budget():
@@ -28,15 +28,16 @@ def test_too_long_sequence_names_the_key():
 def test_collate_shapes_positions_and_fields():
     seqs = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
     mask = [[0.0, 1.0], [1.0], [0.0, 1.0, 1.0]]
-    out = collate_packed(seqs, {"loss_mask": mask})
-    assert out["input_ids"].tolist() == [[1, 2, 4, 6, 7, 8]]
-    assert out["targets"].tolist() == [[2, 3, 5, 7, 8, 9]]
-    assert out["position_ids"].tolist() == [[0, 1, 0, 0, 1, 2]]
-    assert out["seq_index"].tolist() == [[0, 0, 1, 2, 2, 2]]
-    assert out["loss_mask"].tolist() == [[0.0, 1.0, 1.0, 0.0, 1.0, 1.0]]
-    assert out["loss_mask"].dtype == torch.float32
+    out = pack_row(seqs)
+    assert out.input_ids.tolist() == [[1, 2, 4, 6, 7, 8]]
+    assert out.targets.tolist() == [[2, 3, 5, 7, 8, 9]]
+    assert out.position_ids.tolist() == [[0, 1, 0, 0, 1, 2]]
+    assert out.seq_index.tolist() == [[0, 0, 1, 2, 2, 2]]
+    loss_mask = per_target(seqs, mask, "loss_mask", "cpu")
+    assert loss_mask.tolist() == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert loss_mask.dtype == torch.float32
 
 
 def test_collate_rejects_misaligned_field():
     with pytest.raises(ValueError, match="loss_mask"):
-        collate_packed([[1, 2, 3]], {"loss_mask": [[1.0]]})
+        per_target([[1, 2, 3]], [[1.0]], "loss_mask", "cpu")

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from pipelinerl_fsdp.models import build_model, flavour_args
+from pipelinerl_fsdp.rl.packing import PackedRow
 from pipelinerl_fsdp.training.parallelize import apply_activation_checkpointing, apply_fsdp, resolve_fp32_head
 from pipelinerl_fsdp.training.train_step import forward_backward
 
@@ -26,17 +27,14 @@ def mesh() -> Iterator:
     dist.destroy_process_group()
 
 
-def batch(t: int = 48, seed: int = 0) -> dict[str, torch.Tensor]:
+def batch(t: int = 48, seed: int = 0) -> PackedRow:
     g = torch.Generator().manual_seed(seed)
     pos = torch.cat([torch.arange(t // 2), torch.arange(t - t // 2)])[None]
-    return {
-        "input_ids": torch.randint(0, 64, (1, t), generator=g),
-        "position_ids": pos,
-        "targets": torch.randint(0, 64, (1, t), generator=g),
-    }
+    seq = torch.cat([torch.zeros(t // 2), torch.ones(t - t // 2)]).long()[None]
+    return PackedRow(torch.randint(0, 64, (1, t), generator=g), pos, torch.randint(0, 64, (1, t), generator=g), seq)
 
 
-def saved_bytes(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> tuple[int, list[torch.Tensor]]:
+def saved_bytes(model: torch.nn.Module, mb: PackedRow) -> tuple[int, list[torch.Tensor]]:
     """Bytes autograd keeps for the backward pass of one forward, and the gradients after it."""
     total = 0
 
@@ -47,7 +45,7 @@ def saved_bytes(model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> tuple[in
 
     model.zero_grad()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp, _ = model(mb["input_ids"], mb["position_ids"], targets=mb["targets"])
+        logp, _ = model(mb.input_ids, mb.position_ids, targets=mb.targets)
     logp.sum().backward()
     return total, [p.grad.clone() for p in model.parameters()]
 
@@ -82,9 +80,9 @@ def test_fp32_head_computes_logprobs_from_fp32_weights(mesh):
         hidden: list[torch.Tensor] = []
         model.model.norm.register_forward_hook(lambda m, i, out, keep=hidden: keep.append(out))
         with torch.no_grad():
-            logp, _ = model(mb["input_ids"], mb["position_ids"], targets=mb["targets"])
+            logp, _ = model(mb.input_ids, mb.position_ids, targets=mb.targets)
             exact = torch.log_softmax(hidden[0].float() @ reference.lm_head.weight.t(), -1)
-            exact = exact.gather(-1, mb["targets"][..., None])[..., 0]
+            exact = exact.gather(-1, mb.targets[..., None])[..., 0]
         errors[fp32_head] = (logp - exact).abs().max().item()
     assert errors[True] < 1e-5 and errors[False] > 1e-3, errors
 
@@ -98,7 +96,7 @@ def test_gradients_are_reduced_per_micro_batch_unless_deferred(mesh, defer: bool
         # runs after the previous micro-batch's backward: are this rank's gradient shards there yet? (a block's
         # parameters: the blocks are resharded after their forward, the root's are not)
         seen.append(any(p.grad is not None for p in model.model.layers[0].parameters()))
-        return logp.sum(), {}
+        return logp.sum(), None
 
     micro = [batch(seed=i) for i in range(3)]
     forward_backward(model, micro, loss_fn, 1.0, None, torch.device("cpu"), defer_grad_sync=defer)
@@ -120,7 +118,7 @@ def test_a_step_in_parts_accumulates_the_gradients_of_the_whole_batch(mesh, defe
 
     def loss_fn(logp, ent, mb):
         seen.append(any(p.grad is not None for p in model.model.layers[0].parameters()))
-        return logp.sum(), {"n": 1.0}
+        return logp.sum(), 1
 
     micro = [batch(seed=i) for i in range(4)]
     dev = torch.device("cpu")
@@ -131,6 +129,6 @@ def test_a_step_in_parts_accumulates_the_gradients_of_the_whole_batch(mesh, defe
     first = forward_backward(model, micro[:1], loss_fn, 1.0, None, dev, defer_grad_sync=defer, final=False)
     second = forward_backward(model, micro[1:], loss_fn, 1.0, None, dev, defer_grad_sync=defer, final=True)
     assert seen == [False, not defer, not defer, not defer]
-    assert first["n"] + second["n"] == whole["n"] == 4
+    assert first + second == whole == [1] * 4  # each micro-batch's statistics, once
     for a, p in zip(grads, model.parameters()):
         torch.testing.assert_close(a, p.grad.full_tensor(), rtol=1e-5, atol=1e-6)

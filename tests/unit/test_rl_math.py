@@ -7,15 +7,15 @@ import torch
 
 from pipelinerl_fsdp.rl.advantages import group_advantages, is_zero_advantage_group
 from pipelinerl_fsdp.rl.ess import ess_from_sums
-from pipelinerl_fsdp.rl.loss import policy_loss
+from pipelinerl_fsdp.rl.loss import LossInput, policy_loss
 from pipelinerl_fsdp.rl.objectives.ppo import PPOConfig
 from pipelinerl_fsdp.rl.objectives.reinforce_tis import ReinforceTISConfig
 
 
 def loss_of(logp, mu, adv, mask, b, cfg=None, ref=None, current=None, kl_coef=0.0):
     """`policy_loss` normalised over `b` sequences (loss.normalize = "sequences"), one sequence's tokens."""
-    return policy_loss(logp, mu, adv, mask, torch.ones_like(mask) / b, cfg or ReinforceTISConfig(), None, ref,
-                       current, kl_coef)  # fmt: skip
+    batch = LossInput(mask, mu, adv, torch.ones_like(mask) / b, current=current, ref_logp=ref)
+    return policy_loss(logp, batch, cfg or ReinforceTISConfig(), kl_coef)
 
 
 def test_group_mean_and_loo_and_std():
@@ -42,16 +42,16 @@ def test_reinforce_loss_hand_computed():
     assert float(loss.detach()) == pytest.approx(expected, rel=1e-6)
     loss.backward()  # the weight is stop-gradient: d/dlogp = -rho_bar * A / B
     assert logp.grad.tolist() == pytest.approx([-r * a / 2 for r, a in zip(rho_bar, [1, 1, -2])], rel=1e-6)
-    assert s["sum_w"] == pytest.approx(sum(rho_bar), rel=1e-6)
-    assert s["sum_w2"] == pytest.approx(sum(x * x for x in rho_bar), rel=1e-6)
-    assert s["tokens"] == 3 and s["clipped"] == 1
+    assert s.sum_w == pytest.approx(sum(rho_bar), rel=1e-6)
+    assert s.sum_w2 == pytest.approx(sum(x * x for x in rho_bar), rel=1e-6)
+    assert s.tokens == 3 and s.clipped == 1
 
 
 def test_mask_excludes_tokens():
     logp = torch.tensor([-1.0, -3.0])
     loss, s = loss_of(logp, logp, torch.tensor([2.0, 100.0]), torch.tensor([1.0, 0.0]), 1)
     assert float(loss) == pytest.approx(2.0)
-    assert s["tokens"] == 1
+    assert s.tokens == 1
 
 
 def test_ppo_clip_hand_computed():
@@ -61,7 +61,7 @@ def test_ppo_clip_hand_computed():
     loss, s = loss_of(logp, mu, adv, torch.ones(2), 1, PPOConfig())
     # token 1: min(1.5, 1.2) = 1.2; token 2: min(0.5, 0.8) = 0.5
     assert float(loss) == pytest.approx(-(1.2 + 0.5), rel=1e-6)
-    assert s["clipped"] == 1
+    assert s.clipped == 1
 
 
 def test_kl_k3_penalty():
@@ -69,16 +69,16 @@ def test_kl_k3_penalty():
     ref = torch.tensor([-1.5])
     loss, s = loss_of(logp, logp, torch.zeros(1), torch.ones(1), 1, ref=ref, kl_coef=0.1)
     k3 = math.exp(-0.5) + 0.5 - 1
-    assert s["kl"] == pytest.approx(k3, rel=1e-6)
+    assert s.kl == pytest.approx(k3, rel=1e-6)
     assert float(loss) == pytest.approx(0.1 * k3, rel=1e-6)
 
 
 def test_ess_is_one_on_policy_and_below_one_off_policy():
     logp = torch.randn(50)
     _, s = loss_of(logp, logp.clone(), torch.ones(50), torch.ones(50), 1)
-    assert ess_from_sums(s["sum_w"], s["sum_w2"], s["tokens"]) == pytest.approx(1.0)
+    assert ess_from_sums(s.sum_w, s.sum_w2, s.tokens) == pytest.approx(1.0)
     _, s = loss_of(logp, logp + 0.5 * torch.randn(50), torch.ones(50), torch.ones(50), 1)
-    assert 0 < ess_from_sums(s["sum_w"], s["sum_w2"], s["tokens"]) < 0.99
+    assert 0 < ess_from_sums(s.sum_w, s.sum_w2, s.tokens) < 0.99
     assert math.isnan(ess_from_sums(0, 0, 0))
 
 
@@ -103,15 +103,15 @@ def test_ppo_ess_uses_the_unclipped_ratios():
     logp = torch.tensor([math.log(8.0), 0.0])
     mu = torch.zeros(2)
     _, s = loss_of(logp, mu, torch.ones(2), torch.ones(2), 1, PPOConfig())
-    assert s["sum_w"] == pytest.approx(9.0) and s["sum_w2"] == pytest.approx(65.0)  # 8 is not truncated to 5
+    assert s.sum_w == pytest.approx(9.0) and s.sum_w2 == pytest.approx(65.0)  # 8 is not truncated to 5
     _, s = loss_of(logp, mu, torch.ones(2), torch.ones(2), 1, ReinforceTISConfig(is_clip=5.0))
-    assert s["sum_w"] == pytest.approx(6.0)  # REINFORCE: the truncated weights it applies
+    assert s.sum_w == pytest.approx(6.0)  # REINFORCE: the truncated weights it applies
 
 
 def test_kl_log_ratio_is_clamped():
     logp = torch.tensor([-30.0], requires_grad=True)  # the reference gives this token probability ~1
     loss, s = loss_of(logp, logp.detach(), torch.zeros(1), torch.ones(1), 1, ref=torch.tensor([0.0]), kl_coef=1.0)
-    assert s["kl"] == pytest.approx(math.exp(10) - 10 - 1, rel=1e-5)  # not exp(30)
+    assert s.kl == pytest.approx(math.exp(10) - 10 - 1, rel=1e-5)  # not exp(30)
     loss.backward()
     assert torch.isfinite(logp.grad).all()
 
@@ -120,20 +120,20 @@ def test_the_micro_batch_loss_reads_the_packed_fields_and_sums_entropy_over_coun
     from pipelinerl_fsdp.rl.loss import micro_batch_loss
 
     logp = torch.tensor([[-1.0, -0.5, -2.0, -0.1]], requires_grad=True)
-    mb = {
-        "mask": torch.tensor([[0.0, 1.0, 1.0, 0.0]]),  # a prompt target, two completion tokens, a second prompt
-        "behaviour_logp": torch.tensor([[0.0, -0.5, -2.0, 0.0]]),
-        "advantage": torch.tensor([[0.0, 1.0, 1.0, 0.0]]),
-        "weight": torch.tensor([[0.0, 0.5, 0.5, 0.0]]),  # the sample's loss weight: 1 / B, B = 2
-        "seq_index": torch.tensor([[0, 1, 1, 2]]),
-    }
+    mb = LossInput(
+        mask=torch.tensor([0.0, 1.0, 1.0, 0.0]),  # a prompt target, two completion tokens, a second prompt
+        behaviour_logp=torch.tensor([0.0, -0.5, -2.0, 0.0]),
+        advantage=torch.tensor([0.0, 1.0, 1.0, 0.0]),
+        weight=torch.tensor([0.0, 0.5, 0.5, 0.0]),  # the sample's loss weight: 1 / B, B = 2
+        seq=torch.tensor([0, 1, 1, 2]),
+    )
     ent = torch.tensor([[9.0, 0.5, 0.25, 9.0]])
     loss, stats = micro_batch_loss(logp, ent, mb, ReinforceTISConfig(), 0.0)
-    assert stats["entropy"] == 0.75 and stats["tokens"] == 2.0
+    assert stats.entropy == 0.75 and stats.tokens == 2.0
     assert loss.item() == pytest.approx(-(-0.5 - 2.0) / 2)  # on-policy: weights 1, A = 1, over B = 2
-    mb["ref_logp"] = logp.detach() - 1.0
+    mb.ref_logp = logp.detach()[0] - 1.0
     kl_loss, kl_stats = micro_batch_loss(logp, ent, mb, ReinforceTISConfig(), 0.5)
-    assert kl_stats["kl"] > 0 and kl_loss.item() > loss.item()  # the reference model's log-probs are used
+    assert kl_stats.kl > 0 and kl_loss.item() > loss.item()  # the reference model's log-probs are used
 
 
 def test_ess_of_raw_and_of_truncated_weights_part_ways_on_stale_data():
@@ -145,14 +145,14 @@ def test_ess_of_raw_and_of_truncated_weights_part_ways_on_stale_data():
     mu = torch.zeros_like(log_ratio)
     ones = torch.ones_like(log_ratio)
     _, s = loss_of(log_ratio, mu, ones, ones, 1)
-    raw = ess_from_sums(s["sum_rho"], s["sum_rho2"], s["tokens"])
-    truncated = ess_from_sums(s["sum_w"], s["sum_w2"], s["tokens"])
+    raw = ess_from_sums(s.sum_rho, s.sum_rho2, s.tokens)
+    truncated = ess_from_sums(s.sum_w, s.sum_w2, s.tokens)
     assert raw == pytest.approx(math.exp(-1), abs=0.03)
     assert truncated == pytest.approx(0.552, abs=0.03)
     # on-policy they coincide
     _, s = loss_of(mu, mu, ones, ones, 1)
-    assert ess_from_sums(s["sum_rho"], s["sum_rho2"], s["tokens"]) == pytest.approx(1.0)
-    assert ess_from_sums(s["sum_w"], s["sum_w2"], s["tokens"]) == pytest.approx(1.0)
+    assert ess_from_sums(s.sum_rho, s.sum_rho2, s.tokens) == pytest.approx(1.0)
+    assert ess_from_sums(s.sum_w, s.sum_w2, s.tokens) == pytest.approx(1.0)
 
 
 def test_lag0_mismatch_sums_count_only_the_current_versions_tokens():
@@ -161,8 +161,8 @@ def test_lag0_mismatch_sums_count_only_the_current_versions_tokens():
     mask, current = torch.tensor([1.0, 1.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 0.0, 1.0])
     _, st = loss_of(logp, behaviour, torch.ones(4), mask, 1.0, current=current)
     # tokens 0 and 1 only: token 2 is stale, token 3 is not a completion token
-    assert st["lag0_tokens"] == 2.0
+    assert st.lag0_tokens == 2.0
     k3 = (math.exp(0.1) - 1 - 0.1) + (math.exp(-0.2) - 1 + 0.2)
-    assert st["lag0_k3"] == pytest.approx(k3, rel=1e-5) and st["lag0_abs_log_ratio"] == pytest.approx(0.3, rel=1e-5)
+    assert st.lag0_k3 == pytest.approx(k3, rel=1e-5) and st.lag0_abs_log_ratio == pytest.approx(0.3, rel=1e-5)
     _, none = loss_of(logp, behaviour, torch.ones(4), mask, 1.0)
-    assert none["lag0_tokens"] == 0.0  # without versions nothing is taken for lag 0
+    assert none.lag0_tokens == 0.0  # without versions nothing is taken for lag 0

@@ -3,6 +3,7 @@ those, and the metric of the tokens sampled over an older cache (`mismatch_kl_af
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,9 +13,9 @@ from pipelinerl_fsdp.inference.engine import Request, stale_kv
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.rl.batching import after_update_marks, rl_micro_batches
-from pipelinerl_fsdp.rl.loss import policy_loss
+from pipelinerl_fsdp.rl.loss import LossInput, LossStats, policy_loss
 from pipelinerl_fsdp.rl.objectives.reinforce_tis import ReinforceTISConfig
-from pipelinerl_fsdp.rl.step_metrics import LOSS_SUMS, mismatch
+from pipelinerl_fsdp.rl.step_metrics import mismatch
 from pipelinerl_fsdp.samples import Sample
 
 ARGS = flavour_args("debug", vocab_size=40)
@@ -91,27 +92,18 @@ def test_mismatch_after_update_counts_only_lag0_tokens_after_an_update():
     seq = torch.tensor([0, 0, 1, 1, 1, 1])
     current = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
     after = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 1.0])
-    _, stats = policy_loss(
-        log_ratio,
-        behaviour,
-        torch.ones(6),
-        mask,
-        torch.ones(6),
-        ReinforceTISConfig(),
-        seq,
-        current=current,
-        after_update=after,
-    )
+    batch = LossInput(mask, behaviour, torch.ones(6), torch.ones(6), seq, current=current, after_update=after)
+    _, stats = policy_loss(log_ratio, batch, ReinforceTISConfig())
     k3 = torch.expm1(log_ratio) - log_ratio
-    assert stats["lag0_after_update_tokens"] == 2.0
-    assert stats["lag0_after_update_k3"] == pytest.approx(float(k3[4] + k3[5]), rel=1e-6)
-    sums = {k: stats[k] for k in ("lag0_tokens", "lag0_k3", "lag0_abs_log_ratio")}
-    sums.update(lag0_after_update_tokens=2.0, lag0_after_update_k3=stats["lag0_after_update_k3"])
+    assert stats.lag0_after_update_tokens == 2.0
+    assert stats.lag0_after_update_k3 == pytest.approx(float(k3[4] + k3[5]), rel=1e-6)
+    sums = LossStats(lag0_tokens=stats.lag0_tokens, lag0_k3=stats.lag0_k3, lag0_abs_log_ratio=stats.lag0_abs_log_ratio)
+    sums = replace(sums, lag0_after_update_tokens=2.0, lag0_after_update_k3=stats.lag0_after_update_k3)
     m = mismatch(sums)
     assert m["mismatch_kl_after_update"] == pytest.approx(float(k3[4] + k3[5]) / 2, rel=1e-6)
     assert m["lag0_after_update_frac"] == pytest.approx(2 / 4)
     assert m["mismatch_kl"] == pytest.approx(float(k3[0] + k3[1] + k3[4] + k3[5]) / 4, rel=1e-6)
-    none = mismatch({**sums, "lag0_after_update_tokens": 0.0, "lag0_after_update_k3": 0.0})
+    none = mismatch(replace(sums, lag0_after_update_tokens=0.0, lag0_after_update_k3=0.0))
     assert none["mismatch_kl_after_update"] != none["mismatch_kl_after_update"]  # NaN: no such token this step
 
 
@@ -123,13 +115,11 @@ def test_mismatch_by_position_sums_lag0_tokens_per_completion_range():
     position = torch.tensor([0.0, 31.0, 32.0, 130.0, 5.0])
     current = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])
     ones = torch.ones(5)
-    _, stats = policy_loss(
-        log_ratio, torch.zeros(5), ones, ones, ones, ReinforceTISConfig(), current=current, position=position
-    )
+    batch = LossInput(ones, torch.zeros(5), ones, ones, current=current, position=position)
+    _, stats = policy_loss(log_ratio, batch, ReinforceTISConfig())
     k3 = torch.expm1(log_ratio) - log_ratio
-    assert stats["lag0_tokens_pos0-31"] == 2.0 and stats["lag0_tokens_pos64-127"] == 0.0
-    sums = {k: stats[k] for k in LOSS_SUMS if k in stats}
-    m = mismatch(sums)
+    assert stats.lag0_tokens_pos[0] == 2.0 and stats.lag0_tokens_pos[2] == 0.0  # ranges 0-31 and 64-127
+    m = mismatch(stats)
     assert m["mismatch_kl_pos/0-31"] == pytest.approx(float(k3[0] + k3[1]) / 2, rel=1e-6)
     assert m["mismatch_kl_pos/32-63"] == pytest.approx(float(k3[2]), rel=1e-6)
     assert m["mismatch_kl_pos/128+"] == pytest.approx(float(k3[3]), rel=1e-6)
@@ -138,4 +128,4 @@ def test_mismatch_by_position_sums_lag0_tokens_per_completion_range():
         group_id=0, prompt_ids=[1, 2, 3], completion_ids=[4, 5], logprobs=[-0.1, -0.2], versions=[0, 0], reward=1.0
     )
     (mb,) = rl_micro_batches([s], 64, torch.device("cpu"), version=0)
-    assert mb["position"][0].tolist() == [-1.0, -1.0, 0.0, 1.0]
+    assert mb.loss_input.position.tolist() == [-1.0, -1.0, 0.0, 1.0]

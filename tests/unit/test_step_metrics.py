@@ -2,47 +2,55 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from pipelinerl_fsdp.rl.loss import policy_loss
+from pipelinerl_fsdp.records import total
+from pipelinerl_fsdp.rl.loss import LossInput, LossStats, policy_loss
 from pipelinerl_fsdp.rl.objectives.reinforce_tis import ReinforceTISConfig
 from pipelinerl_fsdp.rl.step_metrics import (
-    EngineCounters,
     StepTimes,
     step_metrics,
     token_lags,
     update_pauses,
     zero_advantage_group_frac,
 )
-from pipelinerl_fsdp.samples import Sample
+from pipelinerl_fsdp.samples import EngineStats, Sample
 
 
 def s(versions: list[int], reward: float, finished: bool = True) -> Sample:
     return Sample(0, [1, 2, 3], [5] * len(versions), [-1.0] * len(versions), versions, reward, 0.0, finished)
 
 
-SUMS = {
-    "sum_rho": 4.0,
-    "sum_rho2": 4.0,
-    "sum_w": 4.0,
-    "sum_w2": 4.0,
-    "tokens": 4.0,
-    "entropy": 2.0,
-    "clipped": 1.0,
-    "kl": 0.4,
-    "masked": 0.0,
-    "mis_tokens": 0.0,
-    "mis_seqs": 0.0,
-    "sequences": 2.0,
-    "max_log_ratio": 0.0,
-}
+def E(gen_tokens: float, busy_s: float, elapsed_s: float, seq_s: float = 0.0) -> EngineStats:
+    return EngineStats(gen_tokens=gen_tokens, busy_s=busy_s, elapsed_s=elapsed_s, seq_s=seq_s)
+
+
+SUMS = LossStats(
+    sum_rho=4.0,
+    sum_rho2=4.0,
+    sum_w=4.0,
+    sum_w2=4.0,
+    tokens=4.0,
+    entropy=2.0,
+    clipped=1.0,
+    kl=0.4,
+    masked=0.0,
+    mis_tokens=0.0,
+    mis_seqs=0.0,
+    sequences=2.0,
+    max_log_ratio=0.0,
+)
 
 
 def test_lags_and_version_fractions():
     samples = [s([3, 4], 1.0), s([4, 4], 0.0, finished=False)]
     assert token_lags(samples, 4) == [1, 0, 0, 0]
-    m = step_metrics(samples, 4, SUMS, EngineCounters(10, 2, 4), EngineCounters(), StepTimes(0, 1, 2, -1))
+    m = step_metrics(
+        samples, 4, SUMS, EngineStats(gen_tokens=10, busy_s=2, elapsed_s=4), EngineStats(), StepTimes(0, 1, 2, -1)
+    )
     assert m["lag_mean"] == 0.25 and m["lag_max"] == 1 and m["current_version_frac"] == 0.75
     assert m["mixed_version_frac"] == 0.5  # one sequence has tokens of versions 3 and 4
     assert m["reward_mean"] == 0.5 and m["truncated_frac"] == 0.5
@@ -54,10 +62,10 @@ def test_ess_and_clipping_from_the_loss_of_known_importance_weights():
     logp = torch.log(torch.tensor([0.4, 0.1, 0.3, 0.2]))
     behaviour = logp - torch.log(torch.tensor([2.0, 0.5, 1.0, 1.0]))
     _, sums = policy_loss(
-        logp, behaviour, torch.ones(4), torch.ones(4), torch.full((4,), 0.5), ReinforceTISConfig(is_clip=1.5)
+        logp, LossInput(torch.ones(4), behaviour, torch.ones(4), torch.full((4,), 0.5)), ReinforceTISConfig(is_clip=1.5)
     )
-    m = step_metrics([s([4, 4], 1.0), s([4, 4], 0.0)], 4, dict(sums, entropy=0.0), EngineCounters(),
-                     EngineCounters(), StepTimes(0, 1, 2, 0))  # fmt: skip
+    m = step_metrics([s([4, 4], 1.0), s([4, 4], 0.0)], 4, replace(sums, entropy=0.0), EngineStats(),
+                     EngineStats(), StepTimes(0, 1, 2, 0))  # fmt: skip
     assert m["ess"] == pytest.approx(4.5**2 / (4 * 6.25))  # raw: sum 4.5, sum of squares 6.25 -> 0.81
     assert m["ess_truncated"] == pytest.approx(4.0**2 / (4 * 4.5))  # (1.5, 0.5, 1, 1) -> 0.889
     assert m["is_clipped_frac"] == 0.25  # one token of four above c
@@ -66,20 +74,18 @@ def test_ess_and_clipping_from_the_loss_of_known_importance_weights():
 
 def test_ess_is_of_the_raw_weights_and_ess_truncated_of_the_applied_ones():
     # raw weights (2, 0, 1, 1): (4)^2 / 6 / 4 = 0.667; applied (truncated) weights (1, 1, 1, 1): 1
-    sums = dict(SUMS, sum_rho=4.0, sum_rho2=6.0, sum_w=4.0, sum_w2=4.0)
-    m = step_metrics(
-        [s([4, 4], 1.0), s([4, 4], 0.0)], 4, sums, EngineCounters(), EngineCounters(), StepTimes(0, 1, 2, 0)
-    )
+    sums = replace(SUMS, sum_rho=4.0, sum_rho2=6.0, sum_w=4.0, sum_w2=4.0)
+    m = step_metrics([s([4, 4], 1.0), s([4, 4], 0.0)], 4, sums, EngineStats(), EngineStats(), StepTimes(0, 1, 2, 0))
     assert m["ess"] == pytest.approx(2 / 3) and m["ess_truncated"] == 1.0
 
 
 def test_in_sync_data_has_zero_lag():
-    m = step_metrics([s([7, 7, 7], 1.0)], 7, SUMS, EngineCounters(), EngineCounters(), StepTimes(0, 1, 2, 0))
+    m = step_metrics([s([7, 7, 7], 1.0)], 7, SUMS, EngineStats(), EngineStats(), StepTimes(0, 1, 2, 0))
     assert m["lag_mean"] == 0 and m["lag_max"] == 0 and m["current_version_frac"] == 1.0
 
 
 def test_rates_and_busy_fractions_come_from_the_deltas():
-    before, now = EngineCounters(100, 5, 10), EngineCounters(400, 6.5, 12)
+    before, now = E(100, 5, 10), E(400, 6.5, 12)
     m = step_metrics([s([0], 1.0)], 0, SUMS, now, before, StepTimes(start=10, data=10.5, end=12, previous_end=9))
     assert m["gen_tokens_per_s"] == pytest.approx(300 / 3)  # 300 tokens since the previous step's end
     assert m["gen_tokens_per_busy_s"] == pytest.approx(300 / 1.5)  # ...of which the engines computed 1.5 s
@@ -125,7 +131,7 @@ def test_eval_reports_join_over_engines():
 
 
 def test_occupancy_is_the_mean_batch_while_busy_over_the_slots():
-    before, now = EngineCounters(100, 5, 10, 40.0), EngineCounters(400, 7, 12, 40.0 + 2 * 48)
+    before, now = E(100, 5, 10, 40.0), E(400, 7, 12, 40.0 + 2 * 48)
     m = step_metrics([s([0], 1.0)], 0, SUMS, now, before, StepTimes(0, 1, 2, 0), engine_slots=64)
     assert m["inference_occupancy"] == pytest.approx(48 / 64)  # 48 sequences on average over 2 busy seconds
     # no slot count, or an engine that was never busy: no occupancy rather than a made-up one
@@ -136,36 +142,36 @@ def test_occupancy_is_the_mean_batch_while_busy_over_the_slots():
 
 def test_update_pauses_are_the_steps_mean_and_max_not_the_last():
     # engine 0 took 3 updates so far (60 ms), engine 1 two (100 ms); at the last record: 1 update of 10 ms
-    now = {0: {"pause_ms_sum": 60.0, "updates": 3.0}, 1: {"pause_ms_sum": 100.0, "updates": 2.0}}
-    m, total = update_pauses(now, (10.0, 1.0), {0: 30.0, 1: 70.0})
+    engines = [EngineStats(pause_ms_sum=60.0, updates=3.0), EngineStats(pause_ms_sum=100.0, updates=2.0)]
+    m, both = update_pauses(total(engines, EngineStats()), (10.0, 1.0), {0: 30.0, 1: 70.0})
     assert m["update_pause_ms"] == pytest.approx(150 / 4) and m["update_pause_ms_max"] == 70.0
-    assert total == (160.0, 5.0)
-    m, _ = update_pauses(now, total, {})  # nothing new this step
+    assert both == (160.0, 5.0)
+    m, _ = update_pauses(total(engines, EngineStats()), both, {})  # nothing new this step
     assert m["update_pause_ms"] != m["update_pause_ms"] and m["update_pause_ms_max"] != m["update_pause_ms_max"]
 
 
 def test_mismatch_is_the_mean_over_lag0_tokens_and_nan_without_them():
     times = StepTimes(0.0, 1.0, 2.0, 0.0)
-    sums = dict(SUMS, lag0_tokens=2.0, lag0_k3=0.01, lag0_abs_log_ratio=0.3)
-    m = step_metrics([s([1, 1], 1.0)], 1, sums, EngineCounters(), EngineCounters(), times)
+    sums = replace(SUMS, lag0_tokens=2.0, lag0_k3=0.01, lag0_abs_log_ratio=0.3)
+    m = step_metrics([s([1, 1], 1.0)], 1, sums, EngineStats(), EngineStats(), times)
     assert m["mismatch_kl"] == pytest.approx(0.005) and m["mismatch_abs_log_ratio"] == pytest.approx(0.15)
-    m = step_metrics([s([0, 0], 1.0)], 1, dict(SUMS, lag0_tokens=0.0), EngineCounters(), EngineCounters(), times)
+    m = step_metrics([s([0, 0], 1.0)], 1, replace(SUMS, lag0_tokens=0.0), EngineStats(), EngineStats(), times)
     assert m["mismatch_kl"] != m["mismatch_kl"]  # NaN: no token of the trained version in this step
 
 
 def test_the_mismatch_check_fails_only_beyond_its_bound_and_names_the_numbers():
     from pipelinerl_fsdp.rl.step_metrics import mismatch_error
 
-    agree = dict(SUMS, lag0_tokens=100.0, lag0_k3=1e-9, lag0_abs_log_ratio=1e-4)
+    agree = replace(SUMS, lag0_tokens=100.0, lag0_k3=1e-9, lag0_abs_log_ratio=1e-4)
     assert mismatch_error(agree, 0.1) is None
-    off = dict(agree, lag0_k3=12.0, lag0_abs_log_ratio=50.0)
+    off = replace(agree, lag0_k3=12.0, lag0_abs_log_ratio=50.0)
     msg = mismatch_error(off, 0.1)
     assert msg is not None and "100 tokens" in msg and "by 0.5 on average" in msg and "0.12" in msg
-    assert mismatch_error(dict(off, lag0_tokens=0.0), 0.1) is None  # nothing to compare yet: checked next step
+    assert mismatch_error(replace(off, lag0_tokens=0.0), 0.1) is None  # nothing to compare yet: checked next step
 
 
 def test_kv_recomputed_seqs_is_the_step_delta_of_the_engines_counters():
-    before = EngineCounters(kv_recomputed=7.0)
-    now = EngineCounters.total({0: {"kv_recomputed": 9.0}, 1: {"kv_recomputed": 3.0}})
+    before = EngineStats(kv_recomputed=7.0)
+    now = total([EngineStats(kv_recomputed=9.0), EngineStats(kv_recomputed=3.0)], EngineStats())
     m = step_metrics([s([0], 1.0)], 0, SUMS, now, before, StepTimes(0, 1, 2, 0))
     assert m["kv_recomputed_seqs"] == 5.0  # 12 recomputed in all so far, 7 of them before this step
