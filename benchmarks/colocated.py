@@ -41,12 +41,14 @@ from pipelinerl_fsdp.inference.placement import engine_dtype
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
 from pipelinerl_fsdp.models.hf_io import load_hf_model, save_hf_folder
 from pipelinerl_fsdp.preflight import engine_max_len, sequence_limits, stop_token_ids
+from pipelinerl_fsdp.records import total
 from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import shaped_group_advantages
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
+from pipelinerl_fsdp.rl.loss import LossStats
 from pipelinerl_fsdp.rl.normalization import assign_loss_weights
-from pipelinerl_fsdp.rl.step_metrics import LOSS_MAXES, LOSS_SUMS, EngineCounters, StepTimes, step_metrics
-from pipelinerl_fsdp.samples import Sample
+from pipelinerl_fsdp.rl.step_metrics import StepTimes, step_metrics
+from pipelinerl_fsdp.samples import EngineStats, Sample
 from pipelinerl_fsdp.tasks import ProblemStream, make_task
 from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer
 from pipelinerl_fsdp.training.metrics import MetricsLogger, rl_console
@@ -146,7 +148,7 @@ class Colocated:
                 samples.append(Sample(gid, ids, r.tokens, r.logprobs, r.versions, reward, adv, r.finished, outcome))
         return samples
 
-    def train(self, samples: list[Sample]) -> tuple[dict[str, float], float]:
+    def train(self, samples: list[Sample]) -> tuple[LossStats, float]:
         """The job's optimizer step on `samples`, then the new weights into the generator."""
         cfg = self.cfg
         assign_loss_weights(samples, cfg.loss, cfg.rl.batch_size, cfg.rl.attempts, cfg.task.max_new_tokens)
@@ -168,9 +170,7 @@ class Colocated:
                 theirs[name].copy_(p.full_tensor() if hasattr(p, "full_tensor") else p)
         self.version += 1
         self.engine.set_version(self.version)
-        return {k: stats.get(k, 0.0) for k in LOSS_SUMS} | {
-            k: stats.get(k, float("-inf")) for k in LOSS_MAXES
-        }, grad_norm
+        return total(stats, LossStats()), grad_norm
 
     def export(self, out: Path) -> None:
         """The policy as an HF folder, from the generator's copy where it holds the same fp32 weights (no gather)."""
@@ -214,7 +214,7 @@ def main(argv: list[str]) -> None:
         console_fields=rl_console(None),
     )
     print(f"[colocated] {cores} threads, {cfg.rl.max_steps} steps of {cfg.rl.batch_size} samples", flush=True)
-    before, t_prev = EngineCounters(), time.perf_counter()
+    before, t_prev = EngineStats(), time.perf_counter()
     t_zero = t_prev
     for step in range(cfg.rl.max_steps):
         t_start = time.perf_counter()
@@ -224,7 +224,7 @@ def main(argv: list[str]) -> None:
         sums, grad_norm = run.train(samples)
         t_end = time.perf_counter()
         tokens, busy, seq_s = run.engine.stats()
-        engines = EngineCounters(float(tokens), busy, t_end - t_zero, seq_s)
+        engines = EngineStats(gen_tokens=float(tokens), busy_s=busy, elapsed_s=t_end - t_zero, seq_s=seq_s)
         times = StepTimes(t_start, t_data, t_end, t_prev)
         values = step_metrics(samples, trained_version, sums, engines, before, times, cfg.rl.batch_size)
         values.update({"version": run.version, "samples": (step + 1) * cfg.rl.batch_size, "grad_norm": grad_norm})

@@ -32,6 +32,7 @@ import os
 import random
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,7 +43,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from pipelinerl_fsdp.config import OptimizerConfig
 from pipelinerl_fsdp.models import build_model, flavour_args, read_model_args
-from pipelinerl_fsdp.rl.batching import rl_micro_batches
+from pipelinerl_fsdp.rl.batching import RLMicroBatch, rl_micro_batches
 from pipelinerl_fsdp.rl.loss import policy_loss
 from pipelinerl_fsdp.rl.objectives.reinforce_tis import ReinforceTISConfig
 from pipelinerl_fsdp.samples import Sample
@@ -158,11 +159,9 @@ def main() -> None:
     sender = WeightSender(ours, None, 0, True, torch.float32, device)
     settings = ReinforceTISConfig(is_clip=IS_CLIP)
 
-    def loss_fn(logp: torch.Tensor, ent: torch.Tensor, mb: dict[str, torch.Tensor]):
-        mask = mb["mask"][0]
-        return policy_loss(
-            logp[0], mb["behaviour_logp"][0], mb["advantage"][0], mask, mask / a.samples, settings, mb["seq_index"][0]
-        )
+    def loss_fn(logp: torch.Tensor, ent: torch.Tensor, mb: RLMicroBatch):
+        x = mb.loss_input
+        return policy_loss(logp[0], replace(x, weight=x.mask / a.samples), settings)
 
     parts: dict[str, list[float]] = {k: [] for k in PARTS}
     for step in range(a.steps + 1):

@@ -5,6 +5,7 @@ Run: torchrun --nproc-per-node 2 tests/dist/resume_exact.py OUTPUT_DIR
 """
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -50,8 +51,8 @@ def step(model, opt, sched, world, k: int) -> float:
     losses = []
 
     def loss_fn(logp, ent, mb):
-        loss, _ = policy_loss(logp[0], mb["behaviour_logp"][0], mb["advantage"][0], mb["mask"][0],
-                              mb["mask"][0] / 8, ReinforceTISConfig(), mb["seq_index"][0])
+        x = mb.loss_input
+        loss, _ = policy_loss(logp[0], replace(x, weight=x.mask / 8), ReinforceTISConfig())
         losses.append(float(loss))
         return loss * 2, {}
 

@@ -1,12 +1,21 @@
-"""Rollout messages: ragged batches survive the tensor encoding exactly."""
+"""Rollout messages: ragged batches survive the tensor encoding exactly, with the sender's counters."""
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
-from pipelinerl_fsdp.samples import Sample
-from pipelinerl_fsdp.transport.rollouts import decode_samples, encode_samples
+from pipelinerl_fsdp.records import values
+from pipelinerl_fsdp.samples import EngineStats, EvalReport, Sample
+from pipelinerl_fsdp.transport.rollouts import (
+    DATA,
+    EVAL,
+    decode_message,
+    decode_samples,
+    encode_message,
+    encode_samples,
+)
 
 
 def test_ragged_roundtrip():
@@ -50,3 +59,18 @@ def test_corrupt_payload_detected():
     ints, floats = encode_samples([Sample(0, [1], [2], [-0.1], [0], 1.0)])
     with pytest.raises(RuntimeError, match="corrupt"):
         decode_samples(1, ints, torch.cat([floats, torch.zeros(1)]))
+
+
+def test_every_engine_counter_travels_with_a_group_and_with_an_evaluation_report():
+    # a distinct value per field: a counter left out, or two swapped, would show
+    stats = EngineStats(*(float(i) + 0.5 for i in range(len(dataclasses.fields(EngineStats)))))
+    group = [Sample(3, [1, 2], [5, 6], [-0.25, -0.5], [1, 1], 1.0, 0.5)]
+    header, ints, floats = encode_message(group, values(stats))
+    kind, n, n_ints, n_floats = header.tolist()
+    assert (kind, n, n_ints, n_floats) == (DATA, 1, ints.numel(), floats.numel())
+    back, back_stats = decode_message(kind, n, ints, floats)
+    assert back_stats == stats and back[0].completion_ids == [5, 6] and back[0].advantage == 0.5
+    report = EvalReport(1, 7, 4, [0, 5], [2, 4])
+    header, ints, floats = encode_message(report, values(stats))
+    assert header[0] == EVAL
+    assert decode_message(EVAL, int(header[1]), ints, floats) == (report, stats)
