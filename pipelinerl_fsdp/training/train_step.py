@@ -13,9 +13,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from pipelinerl_fsdp import records
 from pipelinerl_fsdp.config import LossConfig
 from pipelinerl_fsdp.models.decoder import Transformer
-from pipelinerl_fsdp.records import MAX, SUM, from_values, reductions, values
 from pipelinerl_fsdp.rl.batching import RLMicroBatch
 from pipelinerl_fsdp.rl.loss import LossStats, micro_batch_loss
 from pipelinerl_fsdp.rl.packing import PackedRow
@@ -25,7 +25,7 @@ S = TypeVar("S")
 R = TypeVar("R")
 # (logp [1, T], entropy [1, T], micro-batch) -> (loss to backpropagate, the micro-batch's statistics for logging)
 LossFn = Callable[[torch.Tensor, torch.Tensor, M], tuple[torch.Tensor, S]]
-_OPS = {SUM: dist.ReduceOp.SUM, MAX: dist.ReduceOp.MAX}
+_OPS = {records.SUM: dist.ReduceOp.SUM, records.MAX: dist.ReduceOp.MAX}
 
 
 def rl_loss_fn(cfg: LossConfig, kl_coef: float, n_ranks: int) -> LossFn[RLMicroBatch, LossStats]:
@@ -62,10 +62,10 @@ def sum_over_ranks(values: list[float], group: dist.ProcessGroup | None, device:
 def reduce_over_ranks(record: R, group: dist.ProcessGroup | None, device: torch.device) -> R:
     """A record (records.py) combined over the ranks of `group`, each field with its reduction: one all_reduce per
     reduction the record's fields use (float64)."""
-    for kind in reductions(type(record)):
-        t = torch.tensor(values(record, kind), dtype=torch.float64, device=device)
+    for kind in records.reductions(type(record)):
+        t = torch.tensor(records.values(record, kind), dtype=torch.float64, device=device)
         dist.all_reduce(t, op=_OPS[kind], group=group)
-        record = from_values(record, t.tolist(), kind)
+        record = records.from_values(record, t.tolist(), kind)
     return record
 
 
