@@ -122,7 +122,7 @@ def test_the_readme_layout_table_names_every_module():
 # other units, never from above). A unit is a subpackage or a top-level module; a new one must be given a floor.
 LAYERS: list[list[str]] = [
     ["config"],  # the schema: depends on nothing of ours
-    ["runtime"],  # stopping, faults, processes, host memory, GPU counts, CPU binding
+    ["runtime", "records"],  # stopping, faults, processes, host memory, GPU counts, CPU binding; records' reductions
     ["tokenizer", "samples", "models", "tools", "rewards", "engine_kinds", "checkpoint_layout"],
     ["data", "episodes"],
     ["rl", "tasks"],  # pure math of training; tasks and environments
