@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipelinerl_fsdp.config.errors import ConfigError, check_choice
-from pipelinerl_fsdp.config.rules import check_rules
+from pipelinerl_fsdp.config.rules import check_rules, resolve_defaults
 from pipelinerl_fsdp.config.schema import Config, sections
 
 if sys.version_info >= (3, 11):
@@ -236,6 +236,7 @@ def parse_config(argv: list[str], variants: Mapping[str, Mapping[str, type]]) ->
         _apply(cfg, _override_as_table(getattr(cfg, parts[0]), parts, raw), "command line")
     sources = [src for _, src in layers] + (["command line"] if overrides else [])
     cfg.source = " + ".join(sources) or "defaults"
+    resolve_defaults(cfg)
     try:
         check_sections(cfg)
         check_rules(cfg)

@@ -9,6 +9,13 @@ from pipelinerl_fsdp.config.errors import ConfigError
 from pipelinerl_fsdp.config.schema import Config
 
 
+def resolve_defaults(cfg: Config) -> None:
+    """Keys whose default depends on another section, decided once the values are in: `rl.std_normalize` unset
+    takes the selected loss's (`LossConfig.advantage_std`)."""
+    if cfg.rl.std_normalize is None:
+        cfg.rl.std_normalize = type(cfg.loss).advantage_std
+
+
 def check_rules(cfg: Config) -> None:
     """Rules across keys and sections that do not depend on the world size (configure.validate_world does)."""
     rl = cfg.rl

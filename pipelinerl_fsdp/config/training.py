@@ -4,7 +4,7 @@ trainer and its optimizer, and the supervised warm start. Each section checks it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pipelinerl_fsdp.config.errors import failed
 
@@ -19,6 +19,10 @@ Normalization = Literal["sequences", "tokens", "sequence_mean", "group_mean", "c
 class LossConfig:
     """Keys every loss has (`[loss]`); a loss's `config_class` (pipelinerl_fsdp/rl/objectives/) extends it with its
     own keys and its own defaults for these."""
+
+    # whether the loss's paper divides each advantage by its group's standard deviation: the default of
+    # rl.std_normalize under this loss (a class attribute, not a key; rl.std_normalize set explicitly wins)
+    advantage_std: ClassVar[bool] = False
 
     name: str = "reinforce_tis"
     normalize: Normalization = "sequences"
@@ -154,7 +158,10 @@ class RLConfig:
     # KL penalty (k3 estimator) to the frozen initial policy; 0 disables it (the paper's setting)
     kl_coef: float = 0.0
     baseline: Literal["mean", "loo"] = "mean"
-    std_normalize: bool = False
+    # divide each advantage by its group's sample std (+1e-4); unset: as the loss's paper does (true for grpo, dapo,
+    # gspo, cispo; false for reinforce_tis, the PipelineRL paper's, ppo and dr_grpo); the resolved value is saved
+    # in the run's config.toml
+    std_normalize: bool | None = None
     filter_zero_advantage: bool = False
     # samples whose oldest token is more than max_lag versions behind the trainer are dropped (and counted)
     max_lag: int = 8

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# added to the group's standard deviation before dividing by it (TRL's GRPOTrainer and ServiceNow/PipelineRL: 1e-4)
+STD_EPS = 1e-4
+
 
 def group_advantages(
-    rewards: Sequence[float], baseline: str = "mean", std_normalize: bool = False, eps: float = 1e-6
+    rewards: Sequence[float], baseline: str = "mean", std_normalize: bool = False, eps: float = STD_EPS
 ) -> list[float]:
     """A_i = r_i - baseline of the group.
 
     baseline "mean": the group mean (PipelineRL's default); "loo": the mean of the *other* attempts
-    (leave-one-out, unbiased). std_normalize divides by the group's standard deviation (+eps), as GRPO does.
+    (leave-one-out, unbiased). std_normalize divides by the group's *sample* standard deviation (n - 1 in the
+    denominator) + eps, as GRPO does in TRL (`scale_rewards = "group"`: `std()` + 1e-4) and ServiceNow/PipelineRL:
+    the population std would make every advantage sqrt(G / (G - 1)) larger (1.41 at G = 2). A group of one has
+    std 0 (its advantage is 0 either way).
     """
     g = len(rewards)
     if g == 0:
@@ -26,7 +32,7 @@ def group_advantages(
     else:
         raise ValueError(f"unknown advantage baseline {baseline!r}; choose 'mean' or 'loo'")
     if std_normalize:
-        std = (sum((r - mean) ** 2 for r in rewards) / g) ** 0.5
+        std = (sum((r - mean) ** 2 for r in rewards) / (g - 1)) ** 0.5 if g > 1 else 0.0
         adv = [a / (std + eps) for a in adv]
     return adv
 

@@ -65,6 +65,7 @@ class LossStats:
     sum_w: float = stat(SUM)  # the weights the update applies (truncated, or PPO-type objectives' unclipped ratio)
     sum_w2: float = stat(SUM)
     tokens: float = stat(SUM)
+    kept: float = stat(SUM)  # tokens the mismatch mask keeps: those the update's weights (sum_w) are over
     entropy: float = stat(SUM)  # of the counted tokens (`micro_batch_loss`)
     clipped: float = stat(SUM)
     kl: float = stat(SUM)  # k3 to the reference model, when rl.kl_coef > 0
@@ -150,6 +151,7 @@ def policy_loss(
         sum_w=float(w.sum()),
         sum_w2=float((w * out.weights).sum()),
         tokens=float(mask.sum()),
+        kept=float(counted.sum()),
         kl=kl_sum,
         clipped=float((out.clipped * mask).sum()),
         masked=float((mask * (1 - keep)).sum()),

@@ -150,7 +150,9 @@ def step_metrics(
         "reward_mean": sum(s.reward for s in samples) / len(samples),
         # the paper's ESS, of the raw importance weights; and of the weights the loss applies (truncated at c)
         "ess": ess_from_sums(sums.sum_rho, sums.sum_rho2, sums.tokens),
-        "ess_truncated": ess_from_sums(sums.sum_w, sums.sum_w2, sums.tokens),
+        # over the tokens the update keeps: a token the mismatch mask leaves out has no weight at all, so counting
+        # it would read three kept on-policy tokens of four as 0.75
+        "ess_truncated": ess_from_sums(sums.sum_w, sums.sum_w2, sums.kept),
         "lag_mean": sum(lags) / max(len(lags), 1),
         "lag_max": max(lags, default=0),
         "current_version_frac": sum(1 for x in lags if x == 0) / max(len(lags), 1),

@@ -49,7 +49,7 @@ def sample() -> Sample:
     return Sample(0, [1, 2], [5, 6], [-1.0, -1.0], [3, 3], 1.0, 0.0, True)
 
 
-SUMS = LossStats(sum_rho=2.0, sum_rho2=2.0, sum_w=2.0, sum_w2=2.0, tokens=2.0, sequences=1, max_log_ratio=0.0)
+SUMS = LossStats(sum_rho=2.0, sum_rho2=2.0, sum_w=2.0, sum_w2=2.0, tokens=2.0, kept=2.0, sequences=1, max_log_ratio=0.0)
 
 
 def test_blocked_time_is_reported_beside_busy_not_inside_it():

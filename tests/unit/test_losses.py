@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from pipelinerl_fsdp.config import ConfigError
+from pipelinerl_fsdp.config import ConfigError, to_toml
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.rl.advantages import overlong_penalty, shaped_group_advantages
 from pipelinerl_fsdp.rl.loss import LossInput, LossStats, policy_loss
@@ -57,15 +57,41 @@ def hand_weights(mode: str) -> list[float]:
     }[mode]
 
 
-def closed_form(name: str, cfg) -> tuple[float, list[float]]:
-    """The loss and d loss / d log pi per completion token, from the loss's formula, token by token."""
-    weights = hand_weights(cfg.normalize)
+# Each loss's published defaults, written here from its paper (never read from the code under test): the closed
+# forms below use these, so a wrong default in a loss's config class fails the comparison.
+PUBLISHED: dict[str, dict[str, object]] = {
+    # PipelineRL (arXiv 2509.19128): token-level truncated IS, c = 5, the step's loss summed / B sequences
+    "reinforce_tis": {"is_clip": 5.0, "is_level": "token", "normalize": "sequences"},
+    # PPO (Schulman et al. 2017, eq. 7): eps = 0.2
+    "ppo": {"eps_low": 0.2, "eps_high": 0.2, "normalize": "sequences"},
+    # GRPO (DeepSeekMath, arXiv 2402.03300, eq. 3): eps = 0.2, each sequence's token mean, / B
+    "grpo": {"eps_low": 0.2, "eps_high": 0.2, "normalize": "sequence_mean"},
+    # Dr. GRPO (arXiv 2503.20783): no per-sequence length division: / (B x max completion length)
+    "dr_grpo": {"eps_low": 0.2, "eps_high": 0.2, "normalize": "constant"},
+    # DAPO (arXiv 2503.14476, eqs. 8 and 13): eps_low 0.2, eps_high 0.28 (clip-higher), token mean, overlong
+    # buffer 4,096 of 20,480 tokens
+    "dapo": {"eps_low": 0.2, "eps_high": 0.28, "normalize": "tokens", "overlong_buffer": 0.2},
+    # GSPO (arXiv 2507.18071, section 5.1): sequence-level ratio clipped to [1 - 3e-4, 1 + 4e-4]
+    "gspo": {"eps_low": 3e-4, "eps_high": 4e-4, "normalize": "sequence_mean"},
+    # CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4): no lower bound on the IS weight, token mean; upper bound 4, as
+    # ScaleRL (arXiv 2510.13786) and SkyRL run it
+    "cispo": {"eps_low": 1.0, "eps_high": 4.0, "normalize": "tokens"},
+}
+# the losses whose papers divide each advantage by its group's standard deviation
+STD_NORMALIZED = {"grpo", "dapo", "gspo", "cispo"}
+
+
+def closed_form(name: str, **settings: object) -> tuple[float, list[float]]:
+    """The loss and d loss / d log pi per completion token, from the loss's formula with its published defaults
+    (`PUBLISHED`, overridden by `settings`), token by token."""
+    p = {**PUBLISHED[name], **settings}
+    weights = hand_weights(str(p["normalize"]))
     loss, grad = 0.0, []
     for (_, a, lrs), w in zip(SAMPLES, weights):
         logps = [LOGP[len(grad) + j] for j in range(len(lrs))]
         if name == "gspo":
             s = math.exp(sum(lrs) / len(lrs))
-            lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+            lo, hi = 1 - p["eps_low"], 1 + p["eps_high"]
             active = s * a <= min(max(s, lo), hi) * a  # the unclipped term is the minimum: its gradient flows
             loss += w * len(lrs) * -min(s * a, min(max(s, lo), hi) * a)
             grad += [w * (-s * a if active else 0.0)] * len(lrs)
@@ -74,15 +100,15 @@ def closed_form(name: str, cfg) -> tuple[float, list[float]]:
         for lr, lp in zip(lrs, logps):
             r = math.exp(lr)
             if name == "reinforce_tis":
-                c = min(r if cfg.is_level == "token" else seq_ratio, cfg.is_clip)
+                c = min(r if p["is_level"] == "token" else seq_ratio, p["is_clip"])
                 loss += w * -c * a * lp
                 grad.append(w * -c * a)
             elif name == "cispo":
-                c = min(max(r, 1 - cfg.eps_low), 1 + cfg.eps_high)
+                c = min(max(r, 1 - p["eps_low"]), 1 + p["eps_high"])
                 loss += w * -c * a * lp
                 grad.append(w * -c * a)
             else:  # the PPO family
-                clipped = min(max(r, 1 - cfg.eps_low), 1 + cfg.eps_high)
+                clipped = min(max(r, 1 - p["eps_low"]), 1 + p["eps_high"])
                 loss += w * -min(r * a, clipped * a)
                 grad.append(w * (-r * a if r * a <= clipped * a else 0.0))
     return loss, grad
@@ -91,7 +117,10 @@ def closed_form(name: str, cfg) -> tuple[float, list[float]]:
 def run(cfg) -> tuple[float, list[float], LossStats]:
     mb = micro_batch()
     logp = mb["logp"].clone().requires_grad_()
-    per_sample = hand_weights(cfg.normalize)
+    # the normalisation weights as the job computes them (rl/normalization.py), not by hand: the closed form's
+    # hand_weights are what they must equal
+    lengths, groups = [len(lr) for _, _, lr in SAMPLES], [g for g, _, _ in SAMPLES]
+    per_sample = sample_weights(lengths, groups, [True] * B, cfg.normalize, B, len(set(groups)), L)
     weight = torch.tensor([0.0] + [per_sample[i] for i in mb["seq"][1:].tolist()], dtype=torch.float64)
     loss, stats = policy_loss(logp, LossInput(mb["mask"], mb["behaviour"], mb["adv"], weight, mb["seq"]), cfg)
     loss.backward()
@@ -99,17 +128,25 @@ def run(cfg) -> tuple[float, list[float], LossStats]:
     return loss.item(), logp.grad[1:].tolist(), stats
 
 
-def test_every_paper_loss_is_registered_with_its_own_config():
-    assert {"reinforce_tis", "ppo", "grpo", "dr_grpo", "dapo", "gspo", "cispo"} <= set(OBJECTIVES)
-    for name, cls in CONFIGS.items():
-        assert cls().name == name and OBJECTIVES[name].__doc__  # the formula and its source
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_each_paper_loss_is_selected_by_name_with_its_published_defaults(name):
+    """`loss.name` selects the loss's own config class; its keys default to the paper's values, and the advantage
+    normalisation (rl.std_normalize) to the paper's unless set; the resolved value is in the saved config."""
+    cfg = load_config([f"--loss.name={name}"])
+    assert type(cfg.loss) is CONFIGS[name] and OBJECTIVES[name].__doc__
+    assert {k: getattr(cfg.loss, k) for k in PUBLISHED[name]} == PUBLISHED[name]
+    assert cfg.rl.std_normalize is (name in STD_NORMALIZED)
+    assert f"std_normalize = {'true' if name in STD_NORMALIZED else 'false'}" in to_toml(cfg)
+    flipped = name not in STD_NORMALIZED
+    explicit = load_config([f"--loss.name={name}", f"--rl.std_normalize={str(flipped).lower()}"])
+    assert explicit.rl.std_normalize is flipped  # an explicit value wins
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
 def test_each_loss_and_its_gradient_match_its_closed_form(name):
     cfg = CONFIGS[name]()
     loss, grad, _ = run(cfg)
-    want_loss, want_grad = closed_form(name, cfg)
+    want_loss, want_grad = closed_form(name)
     assert loss == pytest.approx(want_loss, rel=1e-9, abs=1e-12)
     assert grad == pytest.approx(want_grad, rel=1e-9, abs=1e-12)
     assert any(g != 0 for g in grad)  # something to compare
@@ -120,7 +157,7 @@ def test_each_loss_and_its_gradient_match_its_closed_form(name):
 def test_each_normalisation_weighs_tokens_as_its_table_says(name, mode):
     cfg = CONFIGS[name](normalize=mode)
     loss, grad, _ = run(cfg)
-    want_loss, want_grad = closed_form(name, cfg)
+    want_loss, want_grad = closed_form(name, normalize=mode)
     assert loss == pytest.approx(want_loss, rel=1e-9) and grad == pytest.approx(want_grad, rel=1e-9, abs=1e-12)
 
 
@@ -138,10 +175,23 @@ def test_hand_computed_values_of_the_paper_loss_and_of_ppo():
     assert grad[6] == 0 and grad[3] == pytest.approx(math.exp(2.0) / 4) and stats.clipped == 1
 
 
+def test_dual_clip_bounds_a_stale_negative_advantage_token():
+    """Dual-clip PPO (Ye et al. 2020, arXiv 1912.09729, eq. 5), c = 3: the token with ratio e^2 = 7.39 and A = -1
+    contributes -max(min(7.39 x -1, 1.2 x -1), 3 x -1) = 3, not 7.39, and no gradient; every other token is PPO's."""
+    loss0, grad0, stats0 = run(CONFIGS["ppo"]())
+    loss, grad, stats = run(CONFIGS["ppo"](dual_clip=3.0))
+    assert grad0[3] == pytest.approx(math.exp(2.0) / 4) and grad[3] == 0.0
+    assert loss == pytest.approx(loss0 - math.exp(2.0) / 4 + 3.0 / 4, rel=1e-9)
+    assert [g for i, g in enumerate(grad) if i != 3] == pytest.approx([g for i, g in enumerate(grad0) if i != 3])
+    assert stats.clipped == stats0.clipped + 1
+    with pytest.raises(ConfigError, match=r"loss\.dual_clip = 0\.5 must be 0 \(off\) or > 1"):
+        load_config(["--loss.name=ppo", "--loss.dual_clip=0.5"])
+
+
 def test_sequence_level_tis_weights_every_token_of_a_sequence_by_its_truncated_product():
     cfg = CONFIGS["reinforce_tis"](is_level="sequence", is_clip=1.5)
     loss, grad, stats = run(cfg)
-    want_loss, want_grad = closed_form("reinforce_tis", cfg)
+    want_loss, want_grad = closed_form("reinforce_tis", is_level="sequence", is_clip=1.5)
     assert loss == pytest.approx(want_loss, rel=1e-9) and grad == pytest.approx(want_grad, rel=1e-9)
     # sample 1: product e^1.95 = 7.03 -> 1.5 at each of its tokens; sample 3: e^-1.55 = 0.21, untruncated
     assert grad[2] == grad[3] == grad[4] == pytest.approx(1.5 / 4)
@@ -165,7 +215,7 @@ def test_token_and_sequence_masks_leave_out_what_lies_outside_the_bounds():
     for rule, out in (("token", [3, 6]), ("sequence", [6, 7])):
         cfg = CONFIGS["reinforce_tis"](mask=rule)
         _, grad, stats = run(cfg)
-        _, full = closed_form("reinforce_tis", cfg)
+        _, full = closed_form("reinforce_tis")
         # 7.39 and 0.202 are the tokens outside [0.5, 2]; sample 3 (geometric mean e^-0.775 = 0.46) the sequence
         assert [i for i, g in enumerate(grad) if g == 0] == out
         assert [g for i, g in enumerate(grad) if i not in out] == pytest.approx(

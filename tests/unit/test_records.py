@@ -49,7 +49,7 @@ def test_the_job_records_declare_a_reduction_for_every_field():
     assert EngineStats().pause_ms_max == 0.0  # a pause is never negative: none yet is 0, as before
     loss = {f.name: reduction(f) for f in dataclasses.fields(LossStats)}
     assert loss.pop("max_log_ratio") == MAX and set(loss.values()) == {SUM}
-    assert len(values(LossStats())) == 18 + 2 * len(POSITION_BINS) + 3 * TURN_BINS  # 18 scalars, 5 tuples
+    assert len(values(LossStats())) == 19 + 2 * len(POSITION_BINS) + 3 * TURN_BINS  # 19 scalars, 5 tuples
 
 
 def test_reduce_over_ranks_is_one_all_reduce_per_reduction_and_combines_like_the_fields_say():

@@ -23,8 +23,15 @@ def test_group_mean_and_loo_and_std():
     assert group_advantages(r) == [0.5, -0.5, -0.5, 0.5]
     # leave-one-out: 1 - (1/3), 0 - (2/3)
     assert group_advantages(r, "loo") == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
-    assert group_advantages(r, std_normalize=True) == pytest.approx([1.0, -1.0, -1.0, 1.0], rel=1e-5)
+    # TRL's GRPOTrainer (scale_rewards="group") and ServiceNow/PipelineRL: (r - mean) / (sample std + 1e-4); the
+    # sample std of (1, 0, 0, 1) is sqrt(4 x 0.25 / 3) = 0.57735 (the population std, 0.5, would give +-1)
+    a = 0.5 / (0.57735027 + 1e-4)
+    assert group_advantages(r, std_normalize=True) == pytest.approx([a, -a, -a, a], rel=1e-6)
+    # G = 2: the factor sqrt(G / (G - 1)) = 1.41 between the two definitions
+    b = 0.5 / (0.70710678 + 1e-4)
+    assert group_advantages([1.0, 0.0], std_normalize=True) == pytest.approx([b, -b], rel=1e-6)
     assert group_advantages([1.0, 1.0], std_normalize=True) == [0.0, 0.0]
+    assert group_advantages([0.7], std_normalize=True) == [0.0]  # a group of one: no spread, no signal
     same = group_advantages([0.3, 0.3, 0.3])  # rounding of the mean aside, zero
     assert is_zero_advantage_group(same) and not is_zero_advantage_group(group_advantages(r))
     with pytest.raises(ValueError, match="baseline"):
@@ -113,7 +120,9 @@ def test_kl_log_ratio_is_clamped():
     loss, s = loss_of(logp, logp.detach(), torch.zeros(1), torch.ones(1), 1, ref=torch.tensor([0.0]), kl_coef=1.0)
     assert s.kl == pytest.approx(math.exp(10) - 10 - 1, rel=1e-5)  # not exp(30)
     loss.backward()
-    assert torch.isfinite(logp.grad).all()
+    # the clamp is where the gradient stops: outside [-10, 10] the penalty is constant in log pi (without the clamp
+    # the gradient would be -(e^30 - 1), finite but enormous)
+    assert logp.grad.item() == 0.0
 
 
 def test_the_micro_batch_loss_reads_the_packed_fields_and_sums_entropy_over_counted_tokens():

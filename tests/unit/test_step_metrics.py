@@ -34,6 +34,7 @@ SUMS = LossStats(
     sum_w=4.0,
     sum_w2=4.0,
     tokens=4.0,
+    kept=4.0,
     entropy=2.0,
     clipped=1.0,
     kl=0.4,
@@ -77,6 +78,21 @@ def test_ess_is_of_the_raw_weights_and_ess_truncated_of_the_applied_ones():
     sums = replace(SUMS, sum_rho=4.0, sum_rho2=6.0, sum_w=4.0, sum_w2=4.0)
     m = step_metrics([s([4, 4], 1.0), s([4, 4], 0.0)], 4, sums, EngineStats(), EngineStats(), StepTimes(0, 1, 2, 0))
     assert m["ess"] == pytest.approx(2 / 3) and m["ess_truncated"] == 1.0
+
+
+def test_ess_truncated_counts_only_the_tokens_the_update_keeps():
+    """Four on-policy tokens (pi = mu), the token mask [0.5, 2] leaving out one whose recorded behaviour log-prob is
+    off by log 3: the update applies weight 1 to three tokens and nothing to the fourth, so its ESS is 1 (3^2 / 3 /
+    3), not the 0.75 of dividing by all four; the raw ESS sees the outlier."""
+    logp = torch.log(torch.tensor([0.4, 0.1, 0.3, 0.2]))
+    behaviour = logp - torch.log(torch.tensor([1.0, 1.0, 1.0, 3.0]))
+    cfg = ReinforceTISConfig(mask="token")
+    _, sums = policy_loss(logp, LossInput(torch.ones(4), behaviour, torch.ones(4), torch.full((4,), 0.5)), cfg)
+    assert sums.kept == 3 and sums.tokens == 4
+    m = step_metrics([s([4, 4], 1.0), s([4, 4], 0.0)], 4, replace(sums, entropy=0.0), EngineStats(),
+                     EngineStats(), StepTimes(0, 1, 2, 0))  # fmt: skip
+    assert m["ess_truncated"] == pytest.approx(1.0)
+    assert m["ess"] == pytest.approx(6.0**2 / (4 * 12.0))  # raw weights (1, 1, 1, 3): 36 / 12 / 4 = 0.75
 
 
 def test_in_sync_data_has_zero_lag():

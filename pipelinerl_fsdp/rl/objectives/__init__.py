@@ -80,13 +80,24 @@ def register_objective(name: str, config_class: type[LossConfig]) -> Callable[[O
     return add
 
 
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float) -> PerToken:
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float, dual_clip: float = 0.0
+) -> PerToken:
     """PPO's pessimistic clipped objective, per token: -min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A),
     differentiable through `ratio`. Its clipping acts on the objective, so the weights it applies are the
-    unclipped ratio."""
+    unclipped ratio. `dual_clip` c > 1 (dual-clip PPO, Ye et al. 2020, arXiv 1912.09729, eq. 5; verl's
+    `clip_ratio_c`): where A < 0 the objective is also bounded below by c A, so a token whose ratio grew far past
+    1 (stale under a long lag) pushes no harder than one at ratio c; 0: off."""
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
-    return PerToken(-torch.minimum(unclipped, clipped), (clipped < unclipped).float(), ratio.detach())
+    objective = torch.minimum(unclipped, clipped)
+    bound = clipped < unclipped
+    if dual_clip:
+        floor = dual_clip * advantages
+        dual = (advantages < 0) & (objective < floor)
+        objective = torch.where(dual, floor, objective)
+        bound = bound | dual
+    return PerToken(-objective, bound.float(), ratio.detach())
 
 
 def weighted_log_likelihood(weights: torch.Tensor, advantages: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pipelinerl_fsdp.config import LossConfig, Normalization
 from pipelinerl_fsdp.rl.objectives import PerToken, Tokens, register_objective, weighted_log_likelihood
@@ -10,6 +11,7 @@ from pipelinerl_fsdp.rl.objectives import PerToken, Tokens, register_objective, 
 
 @dataclass
 class CISPOConfig(LossConfig):
+    advantage_std: ClassVar[bool] = True  # MiniMax-M1: group-normalised advantages, as GRPO
     name: str = "cispo"
     # the weight is clipped to [1 - eps_low, 1 + eps_high]; eps_low = 1: no lower bound (ScaleRL's and SkyRL's
     # defaults: 1.0 and 4.0). ServiceNow/PipelineRL's current "reinforce" is this with eps_high = 0.02.

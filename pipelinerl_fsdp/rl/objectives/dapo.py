@@ -4,6 +4,7 @@ rl.filter_zero_advantage)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pipelinerl_fsdp.config import Normalization
 from pipelinerl_fsdp.rl.objectives import PerToken, Tokens, clipped_surrogate, register_objective
@@ -12,6 +13,7 @@ from pipelinerl_fsdp.rl.objectives.ppo import PPOConfig
 
 @dataclass
 class DAPOConfig(PPOConfig):
+    advantage_std: ClassVar[bool] = True  # DAPO eq. 9: group-normalised advantages
     name: str = "dapo"
     eps_high: float = 0.28
     normalize: Normalization = "tokens"
@@ -24,4 +26,4 @@ def dapo(t: Tokens, cfg: DAPOConfig) -> PerToken:
     eps_high 0.28 (Yu et al., arXiv 2503.14476, eq. 8); rewards of completions in the last overlong_buffer of the
     budget lowered linearly, down to -overlong_penalty at the budget (eq. 13; loss.overlong_buffer). Dynamic
     sampling (dropping groups whose attempts all scored the same) is rl.filter_zero_advantage = true."""
-    return clipped_surrogate(t.rho, t.advantages, cfg.eps_low, cfg.eps_high)
+    return clipped_surrogate(t.rho, t.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -13,6 +14,7 @@ from pipelinerl_fsdp.rl.objectives.ppo import PPOConfig
 
 @dataclass
 class GSPOConfig(PPOConfig):
+    advantage_std: ClassVar[bool] = True  # GSPO eq. 6: group-normalised advantages
     name: str = "gspo"
     # the paper's clipping range (section 5.1): the sequence ratio stays within 1 -/+ a few 1e-4
     eps_low: float = 3e-4
@@ -28,4 +30,4 @@ def gspo(t: Tokens, cfg: GSPOConfig) -> PerToken:
     sequence this is GSPO's sequence objective, clipped per sequence."""
     log_s = t.per_token(t.seq_mean(t.log_ratio.detach()))
     s = torch.exp(t.logp - t.logp.detach() + log_s)
-    return clipped_surrogate(s, t.advantages, cfg.eps_low, cfg.eps_high)
+    return clipped_surrogate(s, t.advantages, cfg.eps_low, cfg.eps_high, cfg.dual_clip)
