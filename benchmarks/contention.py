@@ -3,7 +3,7 @@ in hand to the weights pushed) in pipeline mode, where the engine generates whil
 conventional mode with one batch per round (G = 1), where the engine idles while the trainer trains, each with
 and without `job.bind_cores`. Without contention the two modes' steps take the same time.
 
-    python benchmarks/contention.py [--runs 2] [--steps 60] [--skip 10] [--out benchmarks/results/contention] \
+    python -m benchmarks.contention [--runs 2] [--steps 60] [--skip 10] [--out benchmarks/results/contention] \
         [-- extra job overrides, e.g. --model.path=outputs/warmstart/addition-debug]
 
 Per run: the median `train_step_s` over the steps after `--skip` (start-up excluded); runs interleaved so that a
@@ -18,7 +18,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from harness import ROOT, read_metrics, report, run_job
+from benchmarks.harness import ROOT, read_metrics, report, run_job
 
 SETTINGS = {
     ("pipeline", True): ["--rl.mode=pipeline", "--job.bind_cores=true"],

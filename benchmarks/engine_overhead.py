@@ -1,8 +1,8 @@
 """Where a CPU vLLM engine's time goes, against a plain batched generate loop of the same requests on the same core.
 
 Run (no torchrun; vLLM from the `cpu` extra; the long-tail task's warm start, which
-`python benchmarks/learning_speed.py --task chain_sum` makes once):
-    python benchmarks/engine_overhead.py --out benchmarks/results/engine_overhead.json
+`python -m benchmarks.learning_speed --task chain_sum` makes once):
+    python -m benchmarks.engine_overhead --out benchmarks/results/engine_overhead.json
 
 Every engine gets the same requests: `--requests` prompts of the long-tail task (2-12 two-digit terms) per round,
 all submitted at once and run until the last one stops (EOS or `--max-tokens`), as a conventional-mode generation
@@ -20,7 +20,7 @@ and the worker (the model). Prints a table and writes JSON.
 
 A real model and task: `--config word_problems_smollm2_cpu` takes the model, the task's prompts through the
 chat template, the stop tokens and `task.max_new_tokens` from that training config, e.g.
-    python benchmarks/engine_overhead.py --config word_problems_smollm2_cpu --requests 16 --rounds 2 \
+    python -m benchmarks.engine_overhead --config word_problems_smollm2_cpu --requests 16 --rounds 2 \
         --engines vllm,vllm-offline,hf --out benchmarks/results/engine_overhead_smollm2.json
 """
 
@@ -35,9 +35,9 @@ from pathlib import Path
 
 import psutil
 import torch
-from engines import run_engine
-from harness import RESULTS, report
 
+from benchmarks.engines import run_engine
+from benchmarks.harness import RESULTS, report
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference.placement import VLLMPlacement
 from pipelinerl_fsdp.preflight import stop_token_ids
@@ -221,7 +221,7 @@ def main() -> None:
     else:
         if not (a.model / "config.json").is_file():
             raise SystemExit(
-                f"--model {a.model}: no HF model folder there; `python benchmarks/learning_speed.py --task "
+                f"--model {a.model}: no HF model folder there; `python -m benchmarks.learning_speed --task "
                 "chain_sum` makes the long-tail warm start once (or pass another folder)"
             )
         a.max_tokens = a.max_tokens or 128

@@ -1,7 +1,7 @@
 """Generation throughput: the job's vLLM engine (AsyncLLM in its own processes) vs the pure-PyTorch reference engine.
 
 Run (no torchrun; vLLM from the `cpu` extra on this machine):
-    python benchmarks/engines.py --flavours debug,small --prompts 64 --max-tokens 64 \
+    python -m benchmarks.engines --flavours debug,small --prompts 64 --max-tokens 64 \
         --out benchmarks/results/engines.json
 
 Both engines get the same random model (the flavour's body with the character vocabulary, saved as an HF folder),
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import torch
-from harness import RESULTS, report
 
+from benchmarks.harness import RESULTS, report
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.placement import VLLMPlacement
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine

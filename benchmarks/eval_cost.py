@@ -3,7 +3,7 @@ engine in its own processes, `EngineEvaluator` requests, the task's reward pool)
 of the same requests (same prompts, sampling settings, per-request seeds, cores), which scores nothing.
 
     python scripts/convert_smollm2.py   # once: the default config's model
-    python benchmarks/eval_cost.py [--config math_smollm2_cpu] [--problems 32] [--samples 2] [--repeats 2] \
+    python -m benchmarks.eval_cost [--config math_smollm2_cpu] [--problems 32] [--samples 2] [--repeats 2] \
         [--out benchmarks/results/eval_cost.json]
 
 Start-up (engine processes, model load, warm-up) is not timed. Prints a table; writes JSON.
@@ -17,9 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from harness import RESULTS, report
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.harness import RESULTS, ROOT, report
 
 
 def job_side(cfg, task, tokenizer, stops, max_len: int, cores: str, repeats: int) -> tuple[list[float], int, float]:

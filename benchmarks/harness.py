@@ -1,17 +1,19 @@
 """What every benchmark shares: launching a training job under torchrun (the job's own entry point, this machine's
-Python), reading its metrics, and reporting: a markdown table on the console and, under `benchmarks/results/`
-(next to the repository, wherever the script is started from), the same table as `.md` and everything as `.json`."""
+Python, the command line the tests use: `pipelinerl_fsdp.runtime.torchrun`), reading its metrics, and reporting: a
+markdown table on the console and, under `benchmarks/results/` (next to the repository, wherever the benchmark is
+started from), the same table as `.md` and everything as `.json`."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from pipelinerl_fsdp.runtime.torchrun import REPO as ROOT
+from pipelinerl_fsdp.runtime.torchrun import job_command
+
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -28,42 +30,31 @@ def markdown_table(columns: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+def invocation() -> list[str]:
+    """This process's command line after the interpreter: `-m benchmarks.NAME ARGS` when started as a module (its
+    argv[0] is then the module's file), else argv."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is not None and spec.name:
+        return ["-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
+    return list(sys.argv)
+
+
 def report(out: Path, title: str, columns: list[str], rows: list[list[Any]], data: dict[str, Any]) -> None:
     """Print the table; write `out` (JSON: `data`, the table and the command) and `out` with `.md` (the title, the
     command, the table)."""
     table = markdown_table(columns, rows)
     print(table, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = " ".join([Path(sys.executable).name, *sys.argv])
+    command = " ".join([Path(sys.executable).name, *invocation()])
     out.write_text(json.dumps({**data, "command": command, "table": {"columns": columns, "rows": rows}}, indent=1))
     out.with_suffix(".md").write_text(f"# {title}\n\n`{command}`\n\n{table}\n")
     print(f"wrote {out} and {out.with_suffix('.md')}", flush=True)
 
 
-def job_command(args: list[str], nproc: int) -> tuple[list[str], dict[str, str]]:
-    """The command and environment of `torchrun --standalone --nproc-per-node nproc run_train.py ARGS`."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        HF_HUB_OFFLINE="1",
-        OMP_NUM_THREADS="1",
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(ROOT / "run_train.py"),
-        *args,
-    ]
-    return cmd, env
-
-
 def run_job(args: list[str], log: Path, nproc: int) -> None:
-    """Run `job_command(args, nproc)`, output to `log`; exits with the log's tail when the job fails."""
-    run_logged(*job_command(args, nproc), log)
+    """Run the job (`run_train.py ARGS` on `nproc` ranks, one thread each), output to `log`; exits with the log's
+    tail when the job fails."""
+    run_logged(*job_command(nproc, *args), log)
 
 
 def run_logged(cmd: list[str], env: dict[str, str], log: Path) -> None:

@@ -16,18 +16,18 @@ them perfectly would take max instead of the sum). Writes `learning_speed.json`,
 TensorBoard: `tensorboard --logdir OUT/runs` shows one run per mode and seed.
 
 The targets are of the held-out greedy accuracy (`--metric accuracy`, the default): every run exports its policy
-every --eval-every steps (`checkpoint.export_every`), and after the run `export_eval.py` evaluates the exports on a
+every --eval-every steps (`checkpoint.export_every`), and after the run `benchmarks.heldout` evaluates the exports on a
 fixed set of held-out problems (one export per core at a time); time to target is where the curve, linear between
 exports, first reaches it. This measures the policy when it was trained, with little noise (the same problems for
 every mode, greedy). The sampled reward (`--metric reward`: the first step at which its mean over the last --window
 steps reaches the target) is reported beside it; in pipeline mode it is the reward of samples drawn `lag` versions
 earlier, so it trails the policy by the lag and charges pipeline for a delay of the measurement.
 
-  python benchmarks/learning_speed.py --quick                  # addition: 3 modes, 3 seeds
-  python benchmarks/learning_speed.py --task chain_sum --quick # long tail (2..12-term worked sums): pipeline,
+  python -m benchmarks.learning_speed --quick                  # addition: 3 modes, 3 seeds
+  python -m benchmarks.learning_speed --task chain_sum --quick # long tail (2..12-term worked sums): pipeline,
                                                                # conventional G=1 and colocated, 3 seeds, ~15 min
                                                                # + warm start (once, ~15 min)
-  python benchmarks/learning_speed.py --task tool_arithmetic --quick  # multi-turn (a sandboxed Python tool):
+  python -m benchmarks.learning_speed --task tool_arithmetic --quick  # multi-turn (a sandboxed Python tool):
                                                                # pipeline, conventional G=1 and async, 3 seeds
 
 Mode `colocated` is the single-process baseline of `benchmarks/colocated.py` (generate with every core, then train
@@ -46,16 +46,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from export_eval import Evaluator, crossing
-from harness import ROOT, job_command, pyplot, run_job, run_logged, save_figure
-
+from benchmarks.harness import ROOT, pyplot, run_job, run_logged, save_figure
+from benchmarks.heldout import Evaluator, crossing
 from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.runtime.torchrun import job_command
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer steps and modes (about 15 min on 2 CPU cores)")
-    p.add_argument("--config", default=None, help="train_configs/ name or a TOML path (default: per task)")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="train_configs/ name or a TOML path (default: per task); the task's presets are layered over it",
+    )
     p.add_argument("--task", choices=sorted(TASK_SETTINGS), default="addition")
     p.add_argument(
         "--modes", default=None, help="comma list of MODE[:G], e.g. pipeline,conventional:1,conventional:4,async"
@@ -110,7 +114,11 @@ def parse_args() -> argparse.Namespace:
 
 @dataclass(frozen=True)
 class TaskSettings:
-    overrides: list[str]
+    """What the benchmark needs to know of a task beyond its job config: the config's presets, its targets, its
+    default steps, modes and evaluation sizes."""
+
+    # train_configs/ layered, in order, over the task's config (`TASK_CONFIG`, or --config)
+    presets: tuple[str, ...]
     # main target, further targets: of the held-out accuracy (--metric accuracy) and of the sampled reward
     accuracy_targets: tuple[float, str]
     reward_targets: tuple[float, str]
@@ -126,7 +134,7 @@ class TaskSettings:
 TASK_SETTINGS = {
     "addition": TaskSettings(
         # the warm start's held-out greedy accuracy is 0.76, RL's plateau ~0.93
-        [],
+        (),
         (0.88, "0.86,0.9"),
         (0.8, "0.75,0.83"),
         200,
@@ -135,7 +143,8 @@ TASK_SETTINGS = {
         (500, 500),
         (5, 5),
     ),
-    # The long-tail task: worked sums of 2-12 two-digit terms (completions ~10-130 tokens), 128 samples per step.
+    # The long-tail task (its job settings: train_configs/chain_sum.toml): worked sums of 2-12 two-digit terms
+    # (completions ~10-130 tokens), 128 samples per step.
     # The engine is the pure-PyTorch one: for this 0.8M model on one CPU core vLLM runs at 0.7-0.9x its speed (its
     # engine core and client add to the model's cost; benchmarks/engine_overhead.py). With it, conventional G=1's
     # two sides are balanced (trainer busy ~0.49, engine ~0.52); with vLLM (`--engine vllm`) the engine takes ~58%
@@ -157,22 +166,7 @@ TASK_SETTINGS = {
     # runs). Conventional modes always take whole batches: their round is complete before training starts, and
     # parts would cost their step ~7% (more, smaller micro-batches).
     "chain_sum": TaskSettings(
-        [
-            "--task.name=chain_sum",
-            "--task.digits=2",
-            "--task.min_terms=2",
-            "--task.max_terms=12",
-            "--task.max_new_tokens=128",
-            "--warmstart.path=outputs/warmstart/chain_sum-debug-heldout1024",
-            "--warmstart.steps=3000",
-            "--warmstart.eval_every=25",
-            "--warmstart.stop_at_accuracy=0.75",
-            "--task.eval_size=1024",
-            "--rl.batch_size=128",
-            "--inference.max_num_seqs=128",
-            "--trainer.optimizer.lr=1.5e-5",
-            "--rl.waves=4",
-        ],
+        ("chain_sum",),
         (0.85, "0.83,0.86"),
         (0.8, "0.75,0.85"),
         24,
@@ -186,7 +180,7 @@ TASK_SETTINGS["tool_arithmetic"] = TaskSettings(
     # The multi-turn task: chain sums of 3-8 two-digit terms with a sandboxed Python tool (tasks/tool_arithmetic.py).
     # Its config's warm start stops at 0.6 held-out greedy accuracy (the model calls the tool on about a third of the
     # problems); RL learns to call it on every one: greedy accuracy 0.61 -> 1.0 in 50 steps (reference engine).
-    [],
+    (),
     (0.9, "0.8,0.95"),
     (0.8, "0.7,0.9"),
     40,
@@ -201,9 +195,14 @@ TASK_ENGINE = {"addition": "vllm", "chain_sum": "reference", "tool_arithmetic": 
 TASK_CONFIG = {"addition": "arithmetic", "chain_sum": "arithmetic", "tool_arithmetic": "tool_arithmetic"}
 
 
+def config_args(config: str, ts: TaskSettings) -> list[str]:
+    """`--config` of the task's config, then of each of its presets (layered in this order)."""
+    return [x for name in (config, *ts.presets) for x in ("--config", name)]
+
+
 def colocated_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
     """`benchmarks/colocated.py ARGS`: one process, every core (no per-rank thread cap)."""
-    _, env = job_command(args, 1)
+    _, env = job_command(1, *args)
     env.pop("OMP_NUM_THREADS")
     return [sys.executable, str(ROOT / "benchmarks" / "colocated.py"), *args], env
 
@@ -230,7 +229,7 @@ def summarise(
     reward_targets: list[float] = (),
 ) -> dict:
     """Per-mode numbers from its metrics.jsonl records (one per optimizer step) and, when given, its held-out
-    accuracy curve (`export_eval.Evaluator.curve`). The targets (main first) apply to the curve when there is one
+    accuracy curve (`heldout.Evaluator.curve`). The targets (main first) apply to the curve when there is one
     (the time at which its linear interpolation first reaches them), else to the sampled reward's moving average;
     with a curve the sampled reward's times to `reward_targets` are kept as `reward_time_to_targets_s`."""
     steps = [r for r in recs if "reward_mean" in r]
@@ -517,14 +516,12 @@ def main() -> None:
     eval_every = a.eval_every or ts.eval_every[0 if a.quick else 1]
     a.out.mkdir(parents=True, exist_ok=True)
     common = [
-        "--config",
-        a.config,
+        *config_args(a.config, ts),
         f"--world.inference_ranks={a.inference_ranks}",
         f"--rl.max_steps={steps}",
         "--eval.every=0",
         "--metrics.log_every=25",
         f"--inference.engine={a.engine or TASK_ENGINE[a.task]}",
-        *ts.overrides,
         *([f"--loss.name={a.loss}"] if a.loss else []),
         *(["--checkpoint.export_every=" + str(eval_every)] if a.metric == "accuracy" else []),
         *a.extra,

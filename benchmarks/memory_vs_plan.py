@@ -2,7 +2,7 @@
 `--job.stage=plan`) predicts for the same shapes. The plan sizes 7B jobs on GPUs no session can try; this checks
 its formulas where they can be measured.
 
-    python benchmarks/memory_vs_plan.py [--quick] [--out benchmarks/results/memory_vs_plan.json]
+    python -m benchmarks.memory_vs_plan [--quick] [--out benchmarks/results/memory_vs_plan.json]
 
 Each item runs in a fresh process (two ranks under torchrun where the item has two sides); the measured number is
 the peak growth of the process's anonymous resident memory over the item (`pipelinerl_fsdp/runtime/host_memory.py`: the
@@ -31,24 +31,21 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))  # harness, also when a test loads this file by path
-
-from harness import RESULTS, report  # noqa: E402
-
-from pipelinerl_fsdp.configure import load_config  # noqa: E402
-from pipelinerl_fsdp.models import build_model, flavour_args  # noqa: E402
-from pipelinerl_fsdp.models.args import ModelArgs  # noqa: E402
-from pipelinerl_fsdp.plan import (  # noqa: E402
+from benchmarks.harness import RESULTS, ROOT, report
+from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.models import build_model, flavour_args
+from pipelinerl_fsdp.models.args import ModelArgs
+from pipelinerl_fsdp.plan import (
     attention_extra_bytes,
     load_host_memory,
     trainer_memory,
     weight_sync_buffers,
 )
-from pipelinerl_fsdp.runtime.host_memory import PeakAnon  # noqa: E402
+from pipelinerl_fsdp.runtime.host_memory import PeakAnon
+from pipelinerl_fsdp.runtime.torchrun import torchrun_command
 
 MB = 1 << 20
+MODULE = "benchmarks.memory_vs_plan"  # each item runs this module again, in a fresh process
 # the 1-process items run without torchrun; init_world makes a 1-rank gloo group
 BASE_ARGS = [
     "--config",
@@ -253,13 +250,13 @@ def item_sync(quick: bool) -> None:
 
 def run_item(name: str, quick: bool, tmp: Path) -> list[dict]:
     """Run one item in a fresh process (under torchrun for the two-rank ones); its RESULT lines."""
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    me = [str(Path(__file__).resolve()), "--item", name, "--tmp", str(tmp)] + (["--quick"] if quick else [])
+    me = ["--item", name, "--tmp", str(tmp)] + (["--quick"] if quick else [])
     if name in ("load", "sync"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *me]
+        cmd, env = torchrun_command(2, MODULE, *me, module=True)
     else:
-        cmd = [sys.executable, *me]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        cmd, env = [sys.executable, "-m", MODULE, *me], {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # large allocations through mmap: a freed tensor leaves the process
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     rows = [json.loads(line.split("RESULT ", 1)[1]) for line in r.stdout.splitlines() if "RESULT " in line]
     if r.returncode or not rows:
         raise RuntimeError(f"{name} failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")

@@ -2,8 +2,8 @@
 conventional G = 1, held-out greedy accuracy of exported policies against wall time.
 
     python scripts/convert_smollm2.py
-    python benchmarks/real_model_learning.py --runs pipeline:0,pipeline:1,conventional:1
-    python benchmarks/real_model_learning.py --runs pipeline:1 --steps 30 --tag kv0 --no-eval \\
+    python -m benchmarks.real_model_learning --runs pipeline:0,pipeline:1,conventional:1
+    python -m benchmarks.real_model_learning --runs pipeline:1 --steps 30 --tag kv0 --no-eval \\
         --extra=--inference.kv_max_age=0
 
 Each run is one job of the preset (`--config`, default `word_problems_smollm2_cpu`: 1 vLLM engine + 1 trainer, one
@@ -12,7 +12,7 @@ and its policy exported every --export-every steps. Mode `conventional` is G = 1
 batches): generate, then train, then load, in turn. A run whose `rl/metrics.jsonl` already holds its last step is
 not run again (so runs can be added one at a time, and a finished run re-summarised).
 
-After the runs, every export and the start model are evaluated by `task_accuracy.py` (greedy, the first --size
+After the runs, every export and the start model are evaluated by `scripts/task_accuracy.py` (greedy, the first --size
 held-out problems, the job's vLLM engine on one core; two evaluations at a time, one per core, outside the runs'
 time): OUT/start.json and OUT/<run>/eval/step-N.json. The table gives, per run: accuracy at each export with its
 wall time (the trainer's clock from its first step), time to --target (linear between exports), and over the run
@@ -32,12 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from export_eval import crossing  # noqa: E402
-from harness import RESULTS, ROOT, markdown_table, pyplot, read_metrics, report, run_job, save_figure  # noqa: E402
-
-from pipelinerl_fsdp.checkpoint_layout import exported_policies  # noqa: E402
+from benchmarks.harness import RESULTS, ROOT, markdown_table, pyplot, read_metrics, report, run_job, save_figure
+from benchmarks.heldout import crossing
+from pipelinerl_fsdp.checkpoint_layout import exported_policies
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,10 +73,10 @@ def finished(folder: Path, steps: int) -> bool:
 
 
 def evaluate(a: argparse.Namespace, model: Path | None, out: Path, core: int) -> None:
-    """task_accuracy.py on `model` (the config's own when None) into `out`, on one core; skipped when done."""
+    """`scripts.task_accuracy` on `model` (the config's own when None) into `out`, on one core; skipped when done."""
     if out.exists():
         return
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "task_accuracy.py"), "--config", a.config]
+    cmd = [sys.executable, "-m", "scripts.task_accuracy", "--config", a.config]
     cmd += ["--size", str(a.size), "--core", str(core), "--out", str(out)]
     if model is not None:
         cmd += ["--", f"--model.path={model}"]

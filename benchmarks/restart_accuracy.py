@@ -5,7 +5,7 @@ uninterrupted and `--runs` times with a trainer rank killed (SIGKILL) at step `-
 final held-out greedy accuracy (500 fixed problems, on the engine) and the accuracy at the checkpoint the restart
 resumed from (what a resume that lost its progress would end near).
 
-    python benchmarks/restart_accuracy.py [--runs 5] [--steps 200] [--interval 25] [--kill-at 110] \
+    python -m benchmarks.restart_accuracy [--runs 5] [--steps 200] [--interval 25] [--kill-at 110] \
         [--out benchmarks/results/restart_accuracy] [-- extra job overrides]
 
 Prints a table, writes JSON (every run's accuracies, resume step and wall time).
@@ -21,7 +21,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from harness import ROOT, job_command, read_metrics, report
+from benchmarks.harness import ROOT, read_metrics, report
+from pipelinerl_fsdp.runtime.torchrun import job_command
 
 
 def one_run(out: Path, args: argparse.Namespace, extra: list[str], kill: bool) -> dict:
@@ -37,8 +38,7 @@ def one_run(out: Path, args: argparse.Namespace, extra: list[str], kill: bool) -
         "--job.threads_per_rank=1",
         *extra,
     ]
-    cmd, env = job_command(job, 2)
-    cmd.insert(cmd.index("--standalone") + 1, "--max-restarts=1")
+    cmd, env = job_command(2, *job, max_restarts=1)
     if kill:
         env["PIPELINERL_FAULT"] = f"0:{args.kill_at}:kill"
     t0 = time.time()

@@ -1,7 +1,7 @@
 """Does scoring stall generation? The same math job with math-verify rewards (a pool of worker processes) and
 with exact string match (the cheapest possible reward), side by side over seeds.
 
-    python benchmarks/reward_stall.py [--config math_tiny_cpu] [--runs 3] [--steps 20] \
+    python -m benchmarks.reward_stall [--config math_tiny_cpu] [--runs 3] [--steps 20] \
         [--out benchmarks/results/reward_stall]
 
 Per run: the engine's busy fraction (time with a request in flight, update pauses excluded) and its completion
@@ -17,7 +17,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from harness import ROOT, read_metrics, report, run_job
+from benchmarks.harness import ROOT, read_metrics, report, run_job
 
 REWARDS = ("exact_match", "math_verify")
 OUTCOMES = ("correct", "wrong", "no_answer", "unparsable", "timeout", "truncated")

@@ -1,7 +1,7 @@
 """Reward throughput: math-verify answers per second per worker in the reward pool, and the share of timeouts on a
 hostile set (expressions that make math-verify grind), next to a plain in-process loop.
 
-    python benchmarks/rewards.py [--workers 1,2] [--answers 400] [--timeout 2] [--out benchmarks/results/rewards.json]
+    python -m benchmarks.rewards [--workers 1,2] [--answers 400] [--timeout 2] [--out benchmarks/results/rewards.json]
 
 Prints a table and writes JSON."""
 
@@ -12,8 +12,7 @@ import random
 import time
 from pathlib import Path
 
-from harness import RESULTS, report
-
+from benchmarks.harness import RESULTS, report
 from pipelinerl_fsdp.rewards.math_answer import score_math_answer, warm_up
 from pipelinerl_fsdp.rewards.pool import RewardPool
 

@@ -3,7 +3,7 @@
 (RSS) of every process of the job (torchrun, each rank, vLLM's engine core and workers, reward workers) is sampled
 every `--every` seconds; then the job is stopped with SIGTERM (the launcher's Ctrl-C path).
 
-    python benchmarks/soak.py [--config arithmetic] [--minutes 30] [--warmup-minutes 5] [--every 10] \
+    python -m benchmarks.soak [--config arithmetic] [--minutes 30] [--warmup-minutes 5] [--every 10] \
         [--max-growth 0.05] [--out benchmarks/results/soak] [-- extra job overrides]
 
 Growth per process: the median of its last 3 samples against the median of the 3 samples around the end of the
@@ -18,14 +18,12 @@ import argparse
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from harness import ROOT, job_command, read_metrics, report
-
-sys.path.insert(0, str(ROOT))
-from pipelinerl_fsdp.runtime.processes import descendants, parent_of  # noqa: E402
+from benchmarks.harness import ROOT, read_metrics, report
+from pipelinerl_fsdp.runtime.processes import descendants, parent_of
+from pipelinerl_fsdp.runtime.torchrun import job_command
 
 
 def rss_mb(pid: int) -> float | None:
@@ -97,15 +95,13 @@ def main() -> None:
     a.out.mkdir(parents=True, exist_ok=True)
     job_dir = a.out / "job"
     cmd, env = job_command(
-        [
-            "--config",
-            a.config,
-            "--rl.max_steps=100000000",
-            f"--job.output_dir={job_dir}",
-            "--checkpoint.resume=off",
-            *a.job_args,
-        ],
         a.nproc,
+        "--config",
+        a.config,
+        "--rl.max_steps=100000000",
+        f"--job.output_dir={job_dir}",
+        "--checkpoint.resume=off",
+        *a.job_args,
     )
     series: dict[str, list[tuple[float, float]]] = {}
     with open(a.out / "job.log", "w") as log:

@@ -1,10 +1,10 @@
 """Stale KV, measured: the pipeline job with the KV cache of sequences in flight kept at every update, recomputed
 at every update, or recomputed once more than one version old (`inference.kv_max_age` = -1, 0, 1), over seeds.
 
-    python benchmarks/stale_kv.py --task chain_sum --quick            # the long-tail task, 3 seeds per setting
-    python benchmarks/stale_kv.py --ages=-1,0 --seeds 5 -- --steps 32  # after --: more learning_speed.py options
+    python -m benchmarks.stale_kv --task chain_sum --quick            # the long-tail task, 3 seeds per setting
+    python -m benchmarks.stale_kv --ages=-1,0 --seeds 5 -- --steps 32  # after --: more learning_speed options
 
-Each setting is one `learning_speed.py --modes pipeline` run (its task preset, warm start, exports and held-out
+Each setting is one `learning_speed --modes pipeline` run (its task preset, warm start, exports and held-out
 greedy evaluation) with `--extra=--inference.kv_max_age=K`, into OUT/age<K>/ (a setting whose
 `learning_speed.json` exists is not run again). The table per setting: time to the task's held-out target (median
 and range over seeds), final accuracy, ESS, lag, the share of sequences spanning an update, and from every step's
@@ -25,22 +25,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import RESULTS, ROOT, read_metrics, report  # noqa: E402
-
-from pipelinerl_fsdp.rl.loss import position_bin_names  # noqa: E402
+from benchmarks.harness import RESULTS, ROOT, read_metrics, report
+from pipelinerl_fsdp.rl.loss import position_bin_names
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", default="chain_sum", help="learning_speed.py's --task")
+    p.add_argument("--task", default="chain_sum", help="learning_speed's --task")
     p.add_argument("--ages", default="-1,0,1", help="comma list of inference.kv_max_age settings")
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="learning_speed.py --quick (fewer steps, smaller eval set)")
+    p.add_argument("--quick", action="store_true", help="learning_speed --quick (fewer steps, smaller eval set)")
     p.add_argument("--summarise", action="store_true", help="no runs: the table from what --out holds")
     p.add_argument("--out", type=Path, default=RESULTS / "stale_kv")
-    p.add_argument("more", nargs="*", help="more learning_speed.py options, after --")
+    p.add_argument("more", nargs="*", help="more learning_speed options, after --")
     return p.parse_args()
 
 
@@ -92,7 +89,7 @@ def main() -> None:
     for age in ages:
         folder = a.out / f"age{age}"
         if not a.summarise and not (folder / "learning_speed.json").exists():
-            cmd = [sys.executable, str(ROOT / "benchmarks" / "learning_speed.py"), "--task", a.task, "--modes",
+            cmd = [sys.executable, "-m", "benchmarks.learning_speed", "--task", a.task, "--modes",
                    "pipeline", "--seeds", str(a.seeds), f"--extra=--inference.kv_max_age={age}", "--out", str(folder),
                    *(["--quick"] if a.quick else []), *a.more]  # fmt: skip
             print(f"kv_max_age={age}: {' '.join(cmd)}", flush=True)

@@ -1,6 +1,6 @@
 """Our trainer step against a plain PyTorch loop on the same batches, and where the difference goes.
 
-    python benchmarks/step_vs_plain.py [--flavour debug] [--samples 64] [--prompt 8] [--completion 5] \
+    python -m benchmarks.step_vs_plain [--flavour debug] [--samples 64] [--prompt 8] [--completion 5] \
         [--steps 30] [--threads 1] [--out benchmarks/results/step_vs_plain.json]
 
 The default is the default CPU job's trainer: the ~0.8M-parameter debug model, 64 samples of ~13 tokens per step,
@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import RESULTS, report
 from torch.distributed.device_mesh import init_device_mesh
 
+from benchmarks.harness import RESULTS, report
 from pipelinerl_fsdp.config import OptimizerConfig
 from pipelinerl_fsdp.models import build_model, flavour_args, read_model_args
 from pipelinerl_fsdp.rl.batching import RLMicroBatch, rl_micro_batches
@@ -52,7 +52,6 @@ from pipelinerl_fsdp.training.parallelize import apply_fsdp
 from pipelinerl_fsdp.training.train_step import clip_and_step, forward_backward
 from pipelinerl_fsdp.transport.weights import WeightSender
 
-ROOT = Path(__file__).resolve().parents[1]
 IS_CLIP = 5.0
 PARTS = ("plain", "pack", "forward_backward", "optimizer", "push")
 

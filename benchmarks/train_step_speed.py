@@ -2,8 +2,8 @@
 FSDP2 (one rank), the model built from a named shape with random weights, and the SDPA kernel that the packed
 rows' document attention actually gets.
 
-    python benchmarks/train_step_speed.py --flavour qwen2.5-0.5b --tokens 8192 --docs 8    # a GPU (bf16)
-    python benchmarks/train_step_speed.py --flavour debug --tokens 1024 --docs 8           # CPU (fp32)
+    python -m benchmarks.train_step_speed --flavour qwen2.5-0.5b --tokens 8192 --docs 8    # a GPU (bf16)
+    python -m benchmarks.train_step_speed --flavour debug --tokens 1024 --docs 8           # CPU (fp32)
 
 MFU = 6 x parameters x tokens/s / the device's peak dense bf16 FLOP/s (--peak-tflops; H100/H200 SXM: 989).
 `plan_gib`: what `--job.stage=plan` predicts for this step on one rank (weight sync and CUDA context left out),
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from harness import RESULTS, report
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.harness import RESULTS, report
 from pipelinerl_fsdp.config import OptimizerConfig
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
@@ -31,8 +31,6 @@ from pipelinerl_fsdp.models.decoder import Documents, document_attention
 from pipelinerl_fsdp.plan import trainer_memory
 from pipelinerl_fsdp.training.optim import build_optimizer
 from pipelinerl_fsdp.training.parallelize import apply_activation_checkpointing, apply_fsdp, resolve_fp32_head
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def sdpa_kernel_for_packed_rows(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, hd: int) -> str:

@@ -9,9 +9,9 @@ inside it, of which "bucket waits" is the time spent waiting for buckets to arri
 the same engine, then the engine's generation speed with the weights as that way leaves them: 16 requests of 128
 tokens submitted together to the idle engine.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour debug
-    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py --flavour small
-    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/vllm_update.py \
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.vllm_update --flavour debug
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.vllm_update --flavour small
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.vllm_update \
         --model outputs/models/SmolLM2-135M-Instruct --loads reload,inplace --updates 3   # a real model, 538 MB
 
 One model per job, as in the real job (a second AsyncLLM started in the same process after closing the first hung
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from harness import RESULTS, report
 
+from benchmarks.harness import RESULTS, report
 from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement

@@ -1,7 +1,7 @@
 """Weight-update cost against model size, next to a plain copy of the same bytes over the same link.
 
 Run (2 processes: rank 0 = FSDP2 trainer, rank 1 = engine; gloo on CPU, NCCL on GPU):
-    python -m torch.distributed.run --standalone --nproc-per-node 2 benchmarks/weight_sync.py \
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m benchmarks.weight_sync \
         --flavours debug,small --repeats 5 --out benchmarks/results/weight_sync.json
 
 For each model: `sender_peak_mb` / `receiver_peak_mb` (the peak extra host memory of each side, measured from before
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from harness import RESULTS, report
 
+from benchmarks.harness import RESULTS, report
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.job.world import init_world
 from pipelinerl_fsdp.models import build_model, flavour_args

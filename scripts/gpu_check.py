@@ -158,7 +158,7 @@ def main() -> None:
     shape = ["--flavour", "debug", "--tokens", "1024"] if a.cpu else ["--flavour", "qwen2.5-0.5b", "--tokens", "8192"]
     for name, extra in (("step", []), ("step_ac", ["--checkpointing"])):
         js = out / f"{name}.json"
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "train_step_speed.py"), *shape, "--docs", "8"]
+        cmd = [sys.executable, "-m", "benchmarks.train_step_speed", *shape, "--docs", "8"]
         row = run(name, [*cmd, *extra, "--out", str(js)], out, 90, env)
         if js.is_file():
             step = json.loads(js.read_text())
@@ -169,14 +169,14 @@ def main() -> None:
         rows.append(
             run(
                 "vllm_engines",
-                [sys.executable, str(ROOT / "benchmarks" / "engines.py"), "--gpu", "--flavours", "qwen2.5-0.5b"]
+                [sys.executable, "-m", "benchmarks.engines", "--gpu", "--flavours", "qwen2.5-0.5b"]
                 + ["--prompts", "64", "--max-tokens", "128", "--out", str(out / "vllm_engines.json")],
                 out,
                 150,
                 env,
             )
         )
-        update = [str(ROOT / "benchmarks" / "vllm_update.py"), "--gpu", "--flavour", "qwen2.5-0.5b", "--updates", "5"]
+        update = ["-m", "benchmarks.vllm_update", "--gpu", "--flavour", "qwen2.5-0.5b", "--updates", "5"]
         update += ["--loads", "reload,inplace", "--out", str(out / "vllm_update.json")]
         rows.append(run("vllm_update", torchrun(2, *update), out, 120, env))
 

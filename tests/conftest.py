@@ -2,52 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from pipelinerl_fsdp.runtime.torchrun import ENTRY_POINT, free_port, torchrun_command
+from pipelinerl_fsdp.runtime.torchrun import REPO as ROOT
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun_command(
-    nproc: int, script: Path, *args: str, threads: int = 1, max_restarts: int = 0
-) -> tuple[list[str], dict[str, str]]:
-    """The command and environment of `torchrun --nproc-per-node nproc script args...` on a fresh rendezvous."""
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS=str(threads),
-        HF_HUB_OFFLINE="1",
-        PYTHONUNBUFFERED="1",
-        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        str(max_restarts),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{free_port()}",
-        str(script),
-        *args,
-    ]
-    return cmd, env
+__all__ = ["ROOT", "free_port", "torchrun_command"]  # the tests import these from here
 
 
 def torchrun_script(
@@ -64,7 +27,7 @@ def torchrun(
     """The real job: `torchrun ... run_train.py args...`."""
     return torchrun_script(
         nproc,
-        ROOT / "run_train.py",
+        ENTRY_POINT,
         *args,
         f"--job.threads_per_rank={threads}",
         timeout=timeout,

@@ -1,28 +1,17 @@
 """The memory plan's formulas against peak host memory measured on CPU for scaled-down shapes
-(`benchmarks/memory_vs_plan.py --quick`): sharded load on 2 ranks from a 4-shard folder, a step with and without
+(`python -m benchmarks.memory_vs_plan --quick`): sharded load on 2 ranks from a 4-shard folder, a step with and without
 activation checkpointing, attention over a packed 8k-token row, and both sides of the weight sync."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _benchmark():
-    spec = importlib.util.spec_from_file_location("memory_vs_plan", ROOT / "benchmarks" / "memory_vs_plan.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import memory_vs_plan
 
 
 @pytest.mark.slow
 def test_measured_peak_memory_is_within_15_percent_of_the_plan():
-    rows = _benchmark().measure(quick=True)
+    rows = memory_vs_plan.measure(quick=True)
     items = [r["item"] for r in rows]
     assert sum(i.startswith("load, rank") for i in items) == 2 and any("checkpointing full" in i for i in items)
     # Measured over 5 runs (the note of this change): ratios 0.89-1.02, identical to 0.01 between runs.

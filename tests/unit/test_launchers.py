@@ -78,3 +78,19 @@ def test_slurm_wrapper_starts_one_agent_per_node(tmp_path):
             f"--node-rank {node} --rdzv-backend c10d --rdzv-endpoint gpu-a:29500 --rdzv-id 4242 run_train.py "
             f"--config math --model.path={tmp_path} {data}"
         )
+
+
+def test_tests_and_benchmarks_start_a_job_with_one_torchrun_command():
+    """`pipelinerl_fsdp.runtime.torchrun`: a fresh local rendezvous, restarts, `-m` for a module, the repository first
+    on PYTHONPATH, the thread count."""
+    from pipelinerl_fsdp.runtime.torchrun import ENTRY_POINT, REPO, job_command, torchrun_command
+
+    cmd, env = torchrun_command(2, "benchmarks.vllm_update", "--flavour", "debug", module=True, threads=3)
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "2" and cmd[cmd.index("--max-restarts") + 1] == "0"
+    assert cmd[cmd.index("--rdzv-endpoint") + 1].startswith("127.0.0.1:")
+    assert cmd[-4:] == ["-m", "benchmarks.vllm_update", "--flavour", "debug"]
+    assert env["OMP_NUM_THREADS"] == "3" and env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
+    cmd, _ = job_command(1, "--config", "arithmetic", max_restarts=1)
+    assert cmd[-3:] == [str(ENTRY_POINT), "--config", "arithmetic"] and "-m" not in cmd[3:]
+    assert cmd[cmd.index("--max-restarts") + 1] == "1" and ENTRY_POINT == ROOT / "run_train.py"

@@ -3,13 +3,9 @@ hit, the overlap bound from conventional G=1's busy fractions, and speed-ups tak
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import learning_speed as ls  # noqa: E402
+from benchmarks import learning_speed as ls
 
 
 def run(time: float | None, ess: float = 1.0, busy: tuple[float, float] = (0.5, 0.5), sps: float = 1.0) -> dict:
@@ -164,7 +160,7 @@ def test_the_table_says_which_quantity_the_targets_are_of():
 def test_the_curve_pairs_exports_with_their_steps_and_stops_at_the_highest_target(tmp_path):
     import json
 
-    from export_eval import Evaluator
+    from benchmarks.heldout import Evaluator
 
     recs = [{"step": i, "wall_time_s": 1.5 * i, "samples": 64 * i} for i in range(1, 9)]
     (tmp_path / "rl").mkdir()
@@ -196,7 +192,7 @@ def test_exports_evaluated_in_parallel_give_the_same_curve(tmp_path):
     is on it, and a warm start already at the target needs only the last."""
     import json
 
-    from export_eval import Evaluator
+    from benchmarks.heldout import Evaluator
 
     recs = [{"step": i, "wall_time_s": 1.5 * i, "samples": 64 * i} for i in range(1, 11)]
     (tmp_path / "rl").mkdir()
@@ -228,3 +224,18 @@ def test_exports_evaluated_in_parallel_give_the_same_curve(tmp_path):
     batches.clear()
     c = ev.curve(tmp_path, 0.9, until=0.9)  # the warm start is there already
     assert c["step"] == [0, 10] and batches == [["final"]]
+
+
+@pytest.mark.parametrize("task", sorted(ls.TASK_SETTINGS))
+def test_each_task_s_config_and_presets_load_as_one_job_config(task):
+    """The presets are train_configs/ files layered over the task's config: each must exist and resolve to a job of
+    that task (chain_sum: its long-tail settings)."""
+    from pipelinerl_fsdp.configure import load_config
+
+    ts = ls.TASK_SETTINGS[task]
+    cfg = load_config(ls.config_args(ls.TASK_CONFIG[task], ts))
+    assert cfg.task.name == {"addition": "addition"}.get(task, task)
+    if task == "chain_sum":
+        assert ls.config_args("arithmetic", ts) == ["--config", "arithmetic", "--config", "chain_sum"]
+        assert (cfg.task.max_terms, cfg.rl.batch_size, cfg.rl.waves, cfg.trainer.optimizer.lr) == (12, 128, 4, 1.5e-5)
+        assert cfg.warmstart.path == "outputs/warmstart/chain_sum-debug-heldout1024"

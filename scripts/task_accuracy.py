@@ -1,6 +1,9 @@
 """Held-out accuracy of a model on a task before any training: the start point a task is chosen by.
 
-    python benchmarks/task_accuracy.py --config word_problems_smollm2_cpu [--size 300] [-- --task.levels=[1]]
+    python -m scripts.task_accuracy --config word_problems_smollm2_cpu [--size 300] [-- --task.levels=[1]]
+
+(from the repository root, as a module: it writes its table and JSON under `benchmarks/results/` with
+`benchmarks.harness`)
 
 The job's own pieces, with no torchrun: the config (`--config` and `--section.key=value` overrides after `--`),
 its task's held-out split (the first `--size` problems), its tokenizer and chat template, its stop tokens, and the
@@ -14,25 +17,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from harness import RESULTS, report  # noqa: E402
-
-from pipelinerl_fsdp.configure import load_config  # noqa: E402
-from pipelinerl_fsdp.inference.engine import Request  # noqa: E402
-from pipelinerl_fsdp.inference.placement import VLLMPlacement  # noqa: E402
-from pipelinerl_fsdp.preflight import stop_token_ids  # noqa: E402
-from pipelinerl_fsdp.rewards.outcomes import outcome_for  # noqa: E402
-from pipelinerl_fsdp.tasks import make_task  # noqa: E402
-from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer  # noqa: E402
+from benchmarks.harness import RESULTS, report
+from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.inference.engine import Request
+from pipelinerl_fsdp.inference.placement import VLLMPlacement
+from pipelinerl_fsdp.preflight import stop_token_ids
+from pipelinerl_fsdp.rewards.outcomes import outcome_for
+from pipelinerl_fsdp.tasks import make_task
+from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_tokenizer
 
 
 def main() -> None:
