@@ -39,6 +39,7 @@ import torch
 from benchmarks.engines import run_engine
 from benchmarks.harness import RESULTS, report
 from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.inference.factory import generation_engine
 from pipelinerl_fsdp.inference.placement import VLLMPlacement
 from pipelinerl_fsdp.preflight import stop_token_ids
 from pipelinerl_fsdp.tasks import make_task
@@ -80,7 +81,8 @@ class OneCall:
 
 
 class OfflineVLLM(OneCall):
-    """vLLM's own offline API (`LLM.generate`), one generate call per round."""
+    """vLLM's own offline API (`LLM.generate`), one generate call per round: built by hand on purpose, the baseline
+    of vLLM alone that the job's engine is measured against."""
 
     def __init__(self, model: Path, max_num_seqs: int, max_len: int, core: int, stops: list[int]) -> None:
         from vllm import LLM
@@ -150,28 +152,17 @@ def bench(kind: str, model: Path, prompts: list[list[int]], a: argparse.Namespac
         engine = OfflineVLLM(model, a.requests, max_len, a.core, stops)
     elif kind == "hf":
         engine = HFGenerate(model, stops)
-    elif kind == "plain":
-        from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
-        from pipelinerl_fsdp.models.hf_io import load_hf_model
-
-        net = load_hf_model(model, torch.device("cpu"), torch.float32)
-        engine = ReferenceEngine(net, a.requests, max_len, stops, 1.0, 1.0, 0)
     else:
         if kind == "vllm+text":  # the engine's sampling parameters as they were, detokenisation on
             ve.sampling_params = functools.partial(original, detokenize=True)
-        kv = ve.kv_cache_gib_needed(ve.read_model_args(model), a.requests, max_len, 4)
-        engine = ve.VLLMEngine(
-            model,
-            a.requests,
-            max_len,
-            1.0,
-            1.0,
-            0,
-            "float32",
-            VLLMPlacement(str(a.core), None),
-            kv,
-            stop_token_ids=stops,
-        )
+        # the job's engine as an inference rank builds it: every request in flight at once, sampling at temperature
+        # 1, seed 0, fp32, vLLM's KV cache what the requests need and its threads on the one core
+        engine_args = ["--inference.engine=reference"] if kind == "plain" else ["--inference.engine=vllm"]
+        engine_args += [] if kind == "plain" else ["--inference.kv_cache_gib=0"]
+        engine_args += [f"--inference.max_num_seqs={a.requests}", "--inference.temperature=1.0"]
+        engine_args += ["--inference.top_p=1.0", "--inference.dtype=float32", "--job.seed=0"]
+        cfg = load_config([*(["--config", a.config] if a.config else []), *engine_args])
+        engine = generation_engine(cfg.inference, cfg.job, cfg.world, str(model), max_len, stops, cores=str(a.core))
     try:
         n = a.requests
         run_engine(engine, prompts[:8], a.max_tokens, 10**6)  # warm-up

@@ -52,6 +52,9 @@ def bench(name: str, n_prompts: int, max_tokens: int, threads: int, work: Path, 
     max_len = 8 + max_tokens + 8
     cores = f"0-{threads - 1}"
     rows = []
+    # Both engines built by hand, not through `factory.generation_engine`: the reference engine runs the random
+    # model in memory (no folder to load), and vLLM ignores EOS (`ignore_eos`, no config key) so that both generate
+    # exactly `max_tokens` per prompt from a random model.
     for kind in ("reference", "vllm"):
         if kind == "reference":
             ref_model = model.to("cuda", torch.bfloat16) if gpu else model

@@ -23,8 +23,7 @@ from benchmarks.harness import RESULTS, ROOT, report
 def job_side(cfg, task, tokenizer, stops, max_len: int, cores: str, repeats: int) -> tuple[list[float], int, float]:
     """Seconds per evaluation of every set through the job's engine, completion tokens per evaluation, pass@1."""
     from pipelinerl_fsdp.inference.evaluator import EngineEvaluator, evaluate_alone
-    from pipelinerl_fsdp.inference.placement import VLLMPlacement
-    from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine
+    from pipelinerl_fsdp.inference.factory import generation_engine
 
     inf = cfg.inference
     evaluator = EngineEvaluator(
@@ -37,19 +36,7 @@ def job_side(cfg, task, tokenizer, stops, max_len: int, cores: str, repeats: int
         final_version=cfg.rl.max_steps,
         max_new_tokens=cfg.task.max_new_tokens,
     )
-    engine = VLLMEngine(
-        cfg.model.path,
-        inf.max_num_seqs,
-        max_len,
-        inf.temperature,
-        inf.top_p,
-        cfg.job.seed,
-        "float32",
-        VLLMPlacement(cpu_cores=cores, gpu_ids=None),
-        inf.kv_cache_gib,
-        tokenizer=cfg.model.path,
-        stop_token_ids=stops,
-    )
+    engine = generation_engine(cfg.inference, cfg.job, cfg.world, cfg.model.path, max_len, stops, cores=cores)
     scorer = task.scorer()
     try:
         evaluate_alone(evaluator, engine, scorer, tokenizer, stops, -1, inf.max_num_seqs)  # warm-up
@@ -68,7 +55,8 @@ def job_side(cfg, task, tokenizer, stops, max_len: int, cores: str, repeats: int
 
 
 def plain_side(cfg, prompts: list[list[int]], stops, max_len: int, repeats: int) -> tuple[list[float], int]:
-    """Seconds per `LLM.generate` of the same requests (the first call is the warm-up), completion tokens."""
+    """Seconds per `LLM.generate` of the same requests (the first call is the warm-up), completion tokens. Built by
+    hand on purpose: vLLM's own offline API, the baseline the job's engine is measured against."""
     from vllm import LLM, SamplingParams
 
     from pipelinerl_fsdp.inference.evaluator import EVAL_RID_BASE

@@ -88,6 +88,8 @@ def bench(
             sender.push(v)
         dist.barrier()
         return None
+    # Built by hand, not by the factory: each load way (`weight_load`) in turn, and the receive side (receiver,
+    # bucket group) set up here with this benchmark's bucket size and wire dtype, which is what it measures.
     engine = VLLMEngine(
         folder,
         max_num_seqs=32,

@@ -25,7 +25,7 @@ import torch
 from benchmarks.harness import RESULTS, report
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference.engine import Request
-from pipelinerl_fsdp.inference.placement import VLLMPlacement
+from pipelinerl_fsdp.inference.factory import generation_engine
 from pipelinerl_fsdp.preflight import stop_token_ids
 from pipelinerl_fsdp.rewards.outcomes import outcome_for
 from pipelinerl_fsdp.tasks import make_task
@@ -42,7 +42,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("overrides", nargs="*", help="--section.key=value, after --")
     a = ap.parse_args()
-    cfg = load_config(["--config", a.config, *a.overrides])
+    # the job's vLLM engine (fp32, the KV cache --batch sequences need) with --batch requests in flight; each
+    # request carries its own temperature
+    engine_args = ["--inference.engine=vllm", f"--inference.max_num_seqs={a.batch}", "--inference.temperature=1.0"]
+    engine_args += ["--inference.top_p=1.0", "--inference.dtype=float32", "--inference.kv_cache_gib=0"]
+    cfg = load_config(["--config", a.config, *a.overrides, *engine_args])
     task = make_task(cfg.task)
     problems = task.eval_split()[: a.size]
     if len(problems) < a.size:
@@ -54,15 +58,9 @@ def main() -> None:
     budget = cfg.task.max_new_tokens
     max_len = max(map(len, prompts)) + budget
 
-    import pipelinerl_fsdp.inference.vllm_engine as ve
-
     os.sched_setaffinity(0, {a.core})
     torch.set_num_threads(1)
-    kv = ve.kv_cache_gib_needed(ve.read_model_args(model), a.batch, max_len, 4)
-    engine = ve.VLLMEngine(
-        model, a.batch, max_len, 1.0, 1.0, cfg.job.seed, "float32", VLLMPlacement(str(a.core), None), kv,
-        stop_token_ids=stops,
-    )  # fmt: skip
+    engine = generation_engine(cfg.inference, cfg.job, cfg.world, model, max_len, stops, cores=str(a.core))
     try:
         reqs = [Request(i, p, budget, temperature=a.temperature) for i, p in enumerate(prompts)]
         t0 = time.perf_counter()

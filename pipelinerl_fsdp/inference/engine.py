@@ -55,7 +55,8 @@ class EngineSettings:
     timeout_s: float  # world.timeout_s: a start-up or a collective stuck longer fails
     debug: bool  # job.debug: the engine's own logs
     threads_per_rank: int  # job.threads_per_rank
-    world: World
+    # None: an engine outside a job (`factory.generation_engine`): it only generates, on `cores` or GPU 0
+    world: World | None
     model_path: str
     tokenizer_path: str
     # longest prompt + max_new_tokens: the engine's context length
@@ -69,9 +70,12 @@ class EngineSettings:
     bucket_bytes: int
     # members of the group the engine's workers join to receive the buckets (engines in processes of their own)
     bucket_group_size: int
+    # outside a job, on CPU: the cores of an engine in its own processes (vLLM's OpenMP threads; None: its choice)
+    cores: str | None = None
 
     @property
     def weight_src(self) -> int:
+        assert self.world is not None, "an engine outside a job receives no weights"
         return self.world.trainer_ranks[0]
 
 
@@ -103,6 +107,12 @@ class Engine(ABC):
     def create(cls, settings: EngineSettings) -> tuple[Engine, WeightReceiver]:
         """Start the engine and the receiver of weight-update headers (and, for engines in this process, of the
         buckets). Collective with the first trainer rank where the engine's workers join a bucket group."""
+
+    @classmethod
+    def open(cls, settings: EngineSettings) -> Engine:
+        """Start the engine alone, on the weights at `settings.model_path`, with no receiver of updates (`create`
+        adds it). Kinds the factory builds implement it; a wrapper of another engine does not."""
+        raise NotImplementedError(f"{cls.__name__} is not built from settings")
 
     @abstractmethod
     def add(self, request: Request) -> None:

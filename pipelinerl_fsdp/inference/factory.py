@@ -1,5 +1,5 @@
 """Build this inference rank's engine (of the kind `inference.engine` names, see `engine_kinds.py`) from the job's
-inputs."""
+inputs; or the same engine outside a job, generating only, for the tools and benchmarks that measure it."""
 
 from __future__ import annotations
 
@@ -54,3 +54,45 @@ def build_engine(
         bucket_group_size=inputs.weight_sync.bucket_group_size,
     )
     return engine_class(kind).create(settings)
+
+
+def generation_engine(
+    inference: InferenceConfig,
+    job: JobConfig,
+    world_cfg: WorldConfig,
+    model_path: str,
+    max_len: int,
+    stop_token_ids: list[int],
+    *,
+    cores: str | None = None,
+    device: str = "cpu",
+    seed: int | None = None,
+) -> Engine:
+    """The engine of the kind `inference.engine` names, built from the config's sections as an inference rank
+    builds its own, but outside a job: no weight updates. An engine in its own processes (vLLM) runs on `cores`
+    (CPU) or GPU 0; one in this process on this process's threads. `seed` defaults to `job.seed`; the tokenizer is
+    the model folder's."""
+    import torch
+
+    from pipelinerl_fsdp.inference.engine import EngineSettings
+    from pipelinerl_fsdp.job.weight_sync import engine_dtype
+
+    dev = torch.device(device)
+    settings = EngineSettings(
+        inference=inference,
+        timeout_s=world_cfg.timeout_s,
+        debug=job.debug,
+        threads_per_rank=job.threads_per_rank,
+        world=None,
+        model_path=str(model_path),
+        tokenizer_path=str(model_path),
+        max_len=max_len,
+        stop_token_ids=stop_token_ids,
+        dtype=engine_dtype(inference.dtype, dev),
+        device=dev,
+        seed=job.seed if seed is None else seed,
+        bucket_bytes=0,
+        bucket_group_size=0,
+        cores=cores,
+    )
+    return engine_class(engine_kind(inference)).open(settings)

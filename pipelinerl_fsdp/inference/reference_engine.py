@@ -45,10 +45,16 @@ class _Parked:
 
 class ReferenceEngine(Engine):
     @classmethod
-    def create(cls, settings: EngineSettings) -> tuple[ReferenceEngine, WeightReceiver]:
+    def open(cls, settings: EngineSettings) -> ReferenceEngine:
         s, inf = settings, settings.inference
         model = load_hf_model(s.model_path, s.device, s.dtype)
-        engine = cls(model, inf.max_num_seqs, s.max_len, s.stop_token_ids, inf.temperature, inf.top_p, s.seed)
+        return cls(model, inf.max_num_seqs, s.max_len, s.stop_token_ids, inf.temperature, inf.top_p, s.seed)
+
+    @classmethod
+    def create(cls, settings: EngineSettings) -> tuple[ReferenceEngine, WeightReceiver]:
+        s = settings
+        assert s.world is not None
+        engine = cls.open(s)
         params = engine.params
         receiver = WeightReceiver(
             [(n, p.shape) for n, p in params.items()],

@@ -81,23 +81,26 @@ class VLLMEngine(Engine):
     """
 
     @classmethod
-    def create(cls, settings: EngineSettings) -> tuple[VLLMEngine, WeightReceiver]:
+    def open(cls, settings: EngineSettings) -> VLLMEngine:
         s, world = settings, settings.world
         inf = s.inference
         assert isinstance(inf, VLLMInferenceConfig), "the config loader selects the vLLM section for a vLLM engine"
         model_args = read_model_args(s.model_path)
-        with torch.device("meta"):  # names and shapes of the broadcast, in the trainer's order
-            layout = [(n, p.shape) for n, p in Transformer(model_args).named_parameters()]
-        dtype = str(s.dtype).removeprefix("torch.")
-        engine = cls(
+        if world is not None:
+            placement = vllm_placement(inf, s.threads_per_rank, world)
+        elif s.device.type == "cuda":
+            placement = VLLMPlacement(cpu_cores=None, gpu_ids=[0])
+        else:
+            placement = VLLMPlacement(cpu_cores=s.cores, gpu_ids=None)
+        return cls(
             s.model_path,
             inf.max_num_seqs,
             s.max_len,
             inf.temperature,
             inf.top_p,
             s.seed,
-            dtype,
-            vllm_placement(inf, s.threads_per_rank, world),
+            str(s.dtype).removeprefix("torch."),
+            placement,
             inf.kv_cache_gib or kv_cache_gib_needed(model_args, inf.max_num_seqs, s.max_len, s.dtype.itemsize),
             inf.gpu_memory_utilization,
             inf.tensor_parallel_size,
@@ -109,6 +112,17 @@ class VLLMEngine(Engine):
             max_num_batched_tokens=inf.max_num_batched_tokens,
             weight_load=resolve_weight_load(inf.vllm_weight_load, model_args.hidden_size, s.device.type == "cuda"),
         )
+
+    @classmethod
+    def create(cls, settings: EngineSettings) -> tuple[VLLMEngine, WeightReceiver]:
+        s, world = settings, settings.world
+        assert world is not None
+        inf = s.inference
+        assert isinstance(inf, VLLMInferenceConfig), "the config loader selects the vLLM section for a vLLM engine"
+        with torch.device("meta"):  # names and shapes of the broadcast, in the trainer's order
+            layout = [(n, p.shape) for n, p in Transformer(read_model_args(s.model_path)).named_parameters()]
+        dtype = str(s.dtype).removeprefix("torch.")
+        engine = cls.open(s)
         # header only on this process; the engine's workers join the bucket group with the first trainer rank
         receiver = WeightReceiver(
             layout, world.weight_group, s.weight_src, s.dtype, torch.device("cpu"), s.bucket_bytes

@@ -103,3 +103,26 @@ def test_sequence_seconds_give_the_mean_batch_and_show_a_draining_tail():
     assert mean_batch([20] * 8) == pytest.approx(8.0)  # every step ran all 8 slots
     # half the batch stops after one token: 4 sequences decode alone for 19 of 20 steps
     assert mean_batch([1] * 4 + [20] * 4) < 0.75 * 8
+
+
+def test_an_engine_outside_a_job_is_the_one_an_inference_rank_builds(tmp_path):
+    """`factory.generation_engine` (tools and benchmarks): the config's kind, sampling and batch, the folder's
+    weights, no receiver; it generates what an engine built by hand from the same pieces does."""
+    from pipelinerl_fsdp.configure import load_config
+    from pipelinerl_fsdp.inference.factory import generation_engine
+    from pipelinerl_fsdp.models import save_hf_folder
+    from pipelinerl_fsdp.models.hf_io import load_hf_model
+
+    args = flavour_args("debug", vocab_size=32)
+    save_hf_folder(tmp_path, args, build_model(args, seed=0).state_dict())
+    cfg = load_config(["--inference.engine=reference", "--inference.max_num_seqs=8", "--inference.temperature=0.9"])
+    engine = generation_engine(cfg.inference, cfg.job, cfg.world, str(tmp_path), 24, [1], seed=5)
+    assert isinstance(engine, ReferenceEngine) and engine.dtype == torch.float32 and engine.temperature == 0.9
+    assert len(engine.free_slots) == 8 and engine.eos == {1}
+    by_hand = ReferenceEngine(load_hf_model(tmp_path, torch.device("cpu"), torch.float32), 8, 24, [1], 0.9, 1.0, 5)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    reqs = {e: [Request(i, p, 8) for i, p in enumerate(prompts)] for e in (engine, by_hand)}
+    for e, rs in reqs.items():
+        run_to_end(e, rs)
+    assert [r.tokens for r in reqs[engine]] == [r.tokens for r in reqs[by_hand]]
+    assert all(r.tokens for r in reqs[engine])
