@@ -16,6 +16,7 @@ from pipelinerl_fsdp.job.weight_sync import WeightSyncLayout, weight_sync_layout
 from pipelinerl_fsdp.job.world import World
 from pipelinerl_fsdp.models.hf_io import read_model_args
 from pipelinerl_fsdp.preflight import (
+    check_environment,
     check_limits,
     check_vocab,
     engine_max_len,
@@ -46,6 +47,7 @@ def build_job_inputs(cfg: Config, model_path: str | Path, world: World) -> JobIn
     folder = tokenizer_folder(cfg.tokenizer, model_path)
     tokenizer = load_tokenizer(folder)
     task = make_task(cfg.task)
+    check_environment(cfg.task, task)
     prompt_len, total = sequence_limits(cfg.tokenizer, cfg.task, task, tokenizer)
     check_limits(cfg.trainer, cfg.inference, cfg.task, prompt_len, total)
     check_vocab(read_model_args(model_path).vocab_size, tokenizer, f"model folder {model_path}")

@@ -24,6 +24,17 @@ def tokenizer_folder(tok: TokenizerConfig, model_path: str | Path) -> str:
     return path
 
 
+def check_environment(task_cfg: TaskConfig, task: Task) -> None:
+    """A task whose environment this machine cannot run (a tool task without the sandbox's boundary) stops here,
+    naming what is missing: it never runs with a weaker sandbox."""
+    missing = task.environment_missing()
+    if missing:
+        raise ConfigError(
+            f"task.name = {task_cfg.name}: this machine cannot run the task's environment (docs/extending.md): "
+            + "; ".join(missing)
+        )
+
+
 def _eos_ids(value: object) -> list[int]:
     if isinstance(value, int):
         return [value]

@@ -91,6 +91,11 @@ class Task(ABC):
         """The data epoch of stream position `index` (None: generated problems have no epochs)."""
         return None
 
+    def environment_missing(self) -> list[str]:
+        """What this machine lacks for the task's environment (a tool task: the sandbox's boundary), checked once
+        at start-up before anything slow (preflight.check_environment); empty: nothing is missing."""
+        return []
+
     def prompts_to_check(self) -> list[str]:
         """The prompts whose token counts bound every prompt's (a task from files returns all of them, since the
         longest in characters need not be the longest in tokens)."""

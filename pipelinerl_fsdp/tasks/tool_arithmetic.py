@@ -24,7 +24,7 @@ from pipelinerl_fsdp.episodes import Episode, Reply
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET as ARITHMETIC_ALPHABET
 from pipelinerl_fsdp.tasks.arithmetic import _number
 from pipelinerl_fsdp.tasks.base import EnvironmentConfig, GeneratedTask, Problem, register_task
-from pipelinerl_fsdp.tools.sandbox import ToolLimits, ToolMailbox, ToolRunner
+from pipelinerl_fsdp.tools.sandbox import ToolLimits, ToolMailbox, ToolRunner, boundary_missing
 
 CALL, RESULT, ANSWER = "C:", "R:", "A:"
 # a reference transcript's turns are joined with this in `Problem.solution` (never tokenized)
@@ -127,12 +127,15 @@ class ToolArithmetic(GeneratedTask):
     def supervised_turns(self, problem: Problem) -> list[str]:
         return problem.solution.split(_TURN_SEP)
 
+    def environment_missing(self) -> list[str]:
+        return boundary_missing()
+
     def start_episode(self, answer: str) -> Episode:
         if self._tools is None:
             c = self.cfg
             limits = ToolLimits(c.tool_timeout_s, c.tool_memory_mb, c.tool_output_bytes)
             runner = ToolRunner(limits, c.tool_workers)
-            atexit.register(runner.close)  # no tool process outlives the rank (each runs in a session of its own)
+            atexit.register(runner.close)  # an ordinary exit ends the calls at once; a killed rank takes them too
             self._tools = ToolMailbox(runner)
         return ToolEpisode(self._tools, next(self._ids))
 

@@ -1,6 +1,5 @@
 """Tool calls that cannot hurt the run: Python snippets (a calculator, a short program) run off the decode loop, each
-in a fresh interpreter process with a deadline, a memory limit, a cap on output bytes, no network and no writes
-outside a scratch folder of its own.
+inside an operating-system boundary of its own (tools/jail.py) with a deadline and a cap on output bytes.
 
 `ToolRunner.submit` queues a call and returns at once; `poll` starts queued calls while fewer than `workers` run,
 reads what the running ones printed, and returns the calls that ended, without ever waiting: an inference loop
@@ -8,93 +7,46 @@ calls it between two engine steps, as it does the reward pool, so a tool that ha
 10 MB never stalls generation. Each ending has a named outcome (`TOOL_OUTCOMES`):
 
 - `ok`: exited 0; `output` is what it printed (stdout and stderr together);
-- `tool_timeout`: still running at `timeout_s` (wall clock): its process group is killed;
+- `tool_timeout`: still running at `timeout_s` (wall clock): killed, with everything it started;
 - `tool_output_truncated`: printed more than `max_output_bytes`: killed there, `output` keeps the first bytes;
-- `tool_error`: exited non-zero or died on a signal (an exception, `MemoryError` at the memory limit, a crash, an
-  attempt to reach the network or to write outside its folder); `output` ends with the error.
+- `tool_error`: exited non-zero or died on a signal (an exception, `MemoryError` at the memory limit, a crash,
+  `ENOSPC` in a full scratch folder, a refused fork); `output` ends with the error.
 
-The limits, in the child before the snippet runs: `RLIMIT_AS` (memory), `RLIMIT_CPU` (a CPU-time backstop to the
-wall-clock deadline), `RLIMIT_FSIZE` (no file larger than the output cap), a new session (the kill reaches anything
-it started), a network namespace of its own where the kernel allows one (no interface but a down loopback), an
-empty environment and isolated mode (`python -I -S`), the scratch folder as working directory; and a Python audit
-hook (PEP 578, which the snippet cannot remove) that refuses sockets, new processes, `ctypes`, raising its own
-limits (which a root process could) and any write,
-removal or rename outside the scratch folder. The audit hook alone is not a security boundary against native code
-written to escape it; together with the namespace and the limits it keeps a model's own mistakes (an infinite loop,
-a huge list, a runaway print) and ordinary misuse (an HTTP request, writing into the repository) out of the run.
+The boundary is the kernel's, not the interpreter's (tools/jail.py builds it; docs/extending.md says what a tool
+may and may not do): mount, PID, network, IPC and UTS namespaces; a read-only root holding only the system's
+programs and libraries and this Python's install prefix, a fresh /proc and a size- and inode-capped tmpfs as the
+writable scratch folder; a uid of its own per call with no groups and no capabilities; `PR_SET_NO_NEW_PRIVS`; a
+seccomp filter; limits on memory, CPU time, file size, open files and processes. The whole process tree dies with
+the rank (parent-death signals down to the namespace's init, whose end kills the namespace), and the scratch
+folder is freed by the kernel with it: nothing is deleted on the caller's loop. Where the boundary cannot be built,
+`boundary_missing` names what is missing and a tool task refuses to start (`Task.check_environment`); a call
+started anyway fails as `tool_error` with the failed step: never a weaker sandbox.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipelinerl_fsdp.tools.jail import SETUP_FAILED, UID_BASE
 
 TOOL_OUTCOMES = ("ok", "tool_timeout", "tool_error", "tool_output_truncated")
+_JAIL = str(Path(__file__).with_name("jail.py"))
 
-# Runs in the child (python -I -S -c BOOTSTRAP MEMORY_BYTES CPU_S FILE_BYTES), single-threaded, so nothing needs
-# to be done between fork and exec in a parent that has threads: the limits and the network namespace first, then
-# the snippet from stdin under the audit hook.
-_UNSHARE = r"""
-import ctypes
-def unshare_network():
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.unshare(0x40000000) == 0 or libc.unshare(0x10000000 | 0x40000000) == 0  # NEWNET, or NEWUSER too
-"""
-_BOOTSTRAP = (
-    _UNSHARE
-    + r"""
-import os, resource, sys
-memory, cpu, fsize = map(int, sys.argv[1:4])
-unshare_network()
-resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-del ctypes, unshare_network, memory, cpu, fsize
-code = sys.stdin.read()
-sys.stdin.close()
-scratch = os.path.realpath(os.getcwd())
 
-def inside(path):
-    if isinstance(path, int):
-        return True  # an already-open descriptor: its opening was checked
-    real = os.path.realpath(os.fsdecode(path))
-    return real == scratch or real.startswith(scratch + os.sep)
-
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-DENIED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-          "pty.", "ctypes.", "os.kill", "os.killpg", "signal.pthread_kill", "sys.addaudithook",
-          "resource.setrlimit", "resource.prlimit")
-# events that change a path: how many of their first arguments are paths that must lie in the scratch folder
-PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.rename": 2, "os.link": 2, "os.symlink": 2,
-               "os.truncate": 1, "os.chmod": 1, "os.chown": 1, "os.utime": 1, "shutil.rmtree": 1, "shutil.move": 2}
-
-def hook(event, args):
-    if event == "open":
-        path, mode, flags = args
-        writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (flags or 0) & WRITE_FLAGS
-        if writes and not inside(path):
-            raise PermissionError(f"tool sandbox: no writes outside the scratch folder ({path!r})")
-    elif event.startswith(DENIED) and event != "socket.gethostname":
-        raise PermissionError(f"tool sandbox: {event} is not allowed")
-    elif event in PATH_EVENTS:
-        for path in args[: PATH_EVENTS[event]]:
-            if path is not None and not inside(path):
-                raise PermissionError(f"tool sandbox: {event} outside the scratch folder ({path!r})")
-
-sys.addaudithook(hook)
-del hook
-exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})
-"""
-)
+def default_binds() -> tuple[str, ...]:
+    """The folders a tool's interpreter needs, read-only in its root: the system's programs and libraries and
+    this Python's install prefix (never the project, /root, /home, /work or /etc)."""
+    system = [p for p in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32") if os.path.lexists(p)]
+    return (*system, os.path.realpath(sys.base_prefix))
 
 
 @dataclass(frozen=True)
@@ -102,8 +54,32 @@ class ToolLimits:
     """What one call may use."""
 
     timeout_s: float = 5.0  # wall clock, from the start of its process
-    memory_mb: int = 512  # address space (RLIMIT_AS)
-    max_output_bytes: int = 16384  # stdout + stderr; also the largest file it may write
+    memory_mb: int = 512  # address space of each of its processes (RLIMIT_AS)
+    max_output_bytes: int = 16384  # stdout + stderr; also the largest file it may write (RLIMIT_FSIZE)
+    max_processes: int = 16  # processes and threads at once, its first included (RLIMIT_NPROC of its own uid)
+    max_open_files: int = 64  # per process (RLIMIT_NOFILE)
+    scratch_mb: int = 16  # the scratch folder's size (tmpfs; counts against the machine's memory)
+    max_files: int = 256  # files and folders in the scratch folder (tmpfs inodes)
+
+    def settings(self, rank_pid: int, uid_base: int, binds: tuple[str, ...]) -> dict:
+        """What jail.py is given: every limit, the read-only binds, the base of the call's uid."""
+        cpu = int(self.timeout_s) + 2  # a CPU-time backstop behind the wall-clock deadline
+        limits = {
+            "RLIMIT_AS": self.memory_mb * 1024 * 1024,
+            "RLIMIT_CPU": cpu,
+            "RLIMIT_FSIZE": self.max_output_bytes,
+            "RLIMIT_CORE": 0,
+            "RLIMIT_NOFILE": self.max_open_files,
+            "RLIMIT_NPROC": self.max_processes,
+        }
+        return {
+            "rank_pid": rank_pid,
+            "uid_base": uid_base,
+            "binds": list(binds),
+            "limits": limits,
+            "scratch_bytes": self.scratch_mb * 1024 * 1024,
+            "scratch_files": self.max_files,
+        }
 
 
 @dataclass
@@ -118,26 +94,56 @@ class ToolResult:
 class _Running:
     call_id: Hashable
     proc: subprocess.Popen
-    scratch: str
     started: float
     out: bytearray = field(default_factory=bytearray)
 
 
-def network_isolation_available() -> bool:
-    """Whether a tool's process here gets a network namespace of its own (as root, or in a new user namespace
-    where the kernel allows unprivileged ones); where not, only the audit hook keeps it off the network."""
-    check = _UNSHARE + "\nraise SystemExit(0 if unshare_network() else 1)"
-    return subprocess.run([sys.executable, "-I", "-S", "-c", check], timeout=30).returncode == 0
+def boundary_missing(binds: tuple[str, ...] | None = None, timeout_s: float = 30.0) -> list[str]:
+    """What this machine lacks to build a tool's boundary (empty: nothing): a call is run through every step and
+    checks from inside that each holds. A job whose task runs tools refuses to start unless this is empty."""
+    check = "\n".join(
+        [
+            "import os, socket",
+            "status = open('/proc/self/status').read()",
+            "bad = []",
+            f"bad += [] if os.getuid() >= {UID_BASE} else ['a uid of its own']",
+            "bad += [] if 'NoNewPrivs:\\t1' in status else ['no_new_privs']",
+            "bad += [] if 'Seccomp:\\t2' in status else ['seccomp filter']",
+            "bad += [] if 'CapEff:\\t0000000000000000' in status else ['no capabilities']",
+            "bad += [] if os.getpid() == 2 else ['a PID namespace']",
+            "ifaces = [l.split(':')[0].strip() for l in open('/proc/self/net/dev').readlines()[2:]]",
+            "bad += [] if ifaces == ['lo'] else ['a network namespace']",
+            "bad += [] if not os.access('/', os.W_OK) and not os.path.exists('/etc/shadow') else ['read-only root']",
+            "bad += [] if os.getcwd() == '/scratch' and os.access('.', os.W_OK) else ['a writable scratch folder']",
+            "print('MISSING', *bad, sep='|')",
+        ]
+    )
+    runner = ToolRunner(ToolLimits(timeout_s=timeout_s), workers=1, binds=binds)
+    runner.submit("probe", check)
+    deadline = time.monotonic() + timeout_s + 5
+    results: list[ToolResult] = []
+    while not results and time.monotonic() < deadline:
+        results = runner.poll()
+        time.sleep(0.005)
+    runner.close()
+    if not results:
+        return ["a probe call that ends (it hung)"]
+    out = results[0].output
+    if out.startswith(SETUP_FAILED):
+        return [out[len(SETUP_FAILED) :].strip().splitlines()[0]]
+    if results[0].outcome != "ok" or not out.startswith("MISSING"):
+        return [f"a probe call that runs ({results[0].outcome}: {out.strip()[-300:]})"]
+    return [f"the boundary's {what}" for what in out.strip().split("|")[1:]]
 
 
 class ToolRunner:
     """Runs submitted Python snippets under `limits`, at most `workers` at a time, never blocking the caller."""
 
-    def __init__(self, limits: ToolLimits, workers: int = 2, scratch_root: str | None = None) -> None:
+    def __init__(self, limits: ToolLimits, workers: int = 2, binds: tuple[str, ...] | None = None) -> None:
         if workers < 1:
             raise ValueError(f"ToolRunner: workers must be >= 1, got {workers}")
         self.limits, self.workers = limits, workers
-        self.scratch_root = scratch_root
+        self.binds = default_binds() if binds is None else binds
         self._queue: deque[tuple[Hashable, str]] = deque()
         self._running: list[_Running] = []
 
@@ -158,7 +164,6 @@ class ToolRunner:
             result = self._check(run)
             if result is not None:
                 self._running.remove(run)
-                shutil.rmtree(run.scratch, ignore_errors=True)
                 done.append(result)
         return done
 
@@ -166,22 +171,19 @@ class ToolRunner:
         """Kill whatever still runs; queued calls are dropped."""
         for run in self._running:
             self._kill(run)
-            shutil.rmtree(run.scratch, ignore_errors=True)
         self._running.clear()
         self._queue.clear()
 
     def _start(self, call_id: Hashable, code: str) -> None:
-        scratch = tempfile.mkdtemp(prefix="tool-", dir=self.scratch_root)
-        lim = self.limits
-        # RLIMIT_CPU: a CPU-time backstop behind the wall-clock deadline
-        limits = [str(lim.memory_mb * 1024 * 1024), str(int(lim.timeout_s) + 2), str(lim.max_output_bytes)]
+        # the call's uid is UID_BASE + the pid of its process, which jail.py knows once it runs
+        settings = self.limits.settings(os.getpid(), UID_BASE, self.binds)
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, *limits],
+            [sys.executable, "-I", "-S", _JAIL, json.dumps(settings)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            cwd=scratch,
-            env={"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "PYTHONHASHSEED": "0"},
+            cwd="/",
+            env={"PATH": "/usr/bin:/bin"},
             start_new_session=True,
             close_fds=True,
         )
@@ -192,7 +194,7 @@ class ToolRunner:
             proc.stdin.close()
         except BrokenPipeError:  # it died before reading: its exit status tells why
             pass
-        self._running.append(_Running(call_id, proc, scratch, time.monotonic()))
+        self._running.append(_Running(call_id, proc, time.monotonic()))
 
     def _check(self, run: _Running) -> ToolResult | None:
         cap = self.limits.max_output_bytes
