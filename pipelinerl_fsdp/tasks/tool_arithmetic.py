@@ -1,10 +1,10 @@
 """Tool-integrated arithmetic: a chain sum the model may hand to a Python tool before giving the final answer.
 
 Prompt "12+34+56=". A model turn is either a tool call, "C:" and a Python expression ("C:12+34+56"), which the
-environment evaluates as `print(<expression>)` in the sandbox (tools/sandbox.py: its own process, a deadline, a
-memory limit, an output cap, no network, no writes outside a scratch folder) and answers "R:102\\n" (or "R:?\\n"
-when the call failed or printed something other than an integer; the outcome is counted per step), or the final
-answer, worked or not ("12+34=46\\n46+56=102\\nA:102"), which ends the episode. Reward: 1 when the last "A:" of
+environment evaluates as `print(<expression>)` in the sandbox (tools/sandbox.py: a deadline, an output cap, an
+operating-system boundary: no network, nothing of the machine but a read-only system, a capped scratch folder) and
+answers "R:102\\n" (or "R:?\\n" when the call failed or printed something other than an integer; the outcome is
+counted per step), or the final answer, worked or not ("12+34=46\\n46+56=102\\nA:102"), which ends the episode. Reward: 1 when the last "A:" of
 the transcript gives the sum.
 
 The warm start's reference transcripts call the tool for `task.warm_tool_frac` of the problems and work the sum

@@ -24,7 +24,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import platform
 import resource
 import select
 import signal
@@ -265,8 +264,9 @@ def main() -> None:
         null = os.open("/dev/null", os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
-        if sys.platform != "linux" or platform.machine() != "x86_64":
-            raise SetupError(f"{sys.platform}/{platform.machine()}: only Linux on x86_64 is supported")
+        machine = os.uname().machine
+        if sys.platform != "linux" or machine != "x86_64":
+            raise SetupError(f"{sys.platform}/{machine}: only Linux on x86_64 is supported (seccomp's syscall table)")
         if os.geteuid() != 0:
             raise SetupError(f"namespaces and a uid per call need root (the job runs as uid {os.geteuid()})")
         flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
