@@ -4,8 +4,8 @@ Prompt "12+34+56=". A model turn is either a tool call, "C:" and a Python expres
 environment evaluates as `print(<expression>)` in the sandbox (tools/sandbox.py: a deadline, an output cap, an
 operating-system boundary: no network, nothing of the machine but a read-only system, a capped scratch folder) and
 answers "R:102\\n" (or "R:?\\n" when the call failed or printed something other than an integer; the outcome is
-counted per step), or the final answer, worked or not ("12+34=46\\n46+56=102\\nA:102"), which ends the episode. Reward: 1 when the last "A:" of
-the transcript gives the sum.
+counted per step), or the final answer, worked or not ("12+34=46\\n46+56=102\\nA:102"), which ends the episode.
+Reward: 1 when the last "A:" of the transcript gives the sum.
 
 The warm start's reference transcripts call the tool for `task.warm_tool_frac` of the problems and work the sum
 line by line for the rest (as the `chain_sum` task does), so the warm policy does both: the worked sums of many
