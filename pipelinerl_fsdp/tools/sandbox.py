@@ -137,7 +137,10 @@ def boundary_missing(binds: tuple[str, ...] | None = None, timeout_s: float = 30
 
 
 class ToolRunner:
-    """Runs submitted Python snippets under `limits`, at most `workers` at a time, never blocking the caller."""
+    """Runs submitted Python snippets under `limits`, at most `workers` at a time, never blocking the caller.
+
+    Calls start in `poll`; each dies when the thread that started it ends (the parent-death signal is per thread),
+    so poll from the thread that runs the loop, as the inference loop does."""
 
     def __init__(self, limits: ToolLimits, workers: int = 2, binds: tuple[str, ...] | None = None) -> None:
         if workers < 1:
