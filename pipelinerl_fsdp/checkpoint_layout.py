@@ -77,8 +77,9 @@ def resume_point(ck: CheckpointConfig, output_dir: str) -> tuple[Path | None, li
     return path, skipped
 
 
-def export_folder(output_dir: str, step: int) -> Path:
-    """Where `checkpoint.export_every` writes the policy (an HF folder) after `step` optimizer steps."""
+def export_folder(output_dir: str | Path, step: int) -> Path:
+    """Where `checkpoint.export_every` writes the policy (an HF folder) after `step` optimizer steps, in the run's
+    `job.output_dir`."""
     return Path(output_dir) / "exports" / f"step-{step:07d}"
 
 

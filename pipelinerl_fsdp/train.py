@@ -71,6 +71,11 @@ def bind_cpu_cores(job: JobConfig, inference: InferenceConfig, world: World) -> 
 
 
 def run(cfg: Config) -> None:
+    if cfg.job.stage == "rl" and cfg.rl.mode == "colocated":  # one process, no torchrun world
+        from pipelinerl_fsdp.training.colocated import run_colocated
+
+        run_colocated(cfg)
+        return
     world = init_world(cfg)
     validate_world(cfg, world.world_size)
     if world.is_main:

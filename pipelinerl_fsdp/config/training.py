@@ -148,8 +148,10 @@ class RLConfig:
     # conventional: engines generate sync_every x batch_size samples with frozen weights, then idle while the
     #   trainer takes sync_every (= G) steps on them, then the weights are synced (lag <= G - 1);
     # async: engines keep generating while the trainer trains, but take new weights only between sequences
-    #   (they stop admitting requests, drain, then load: one version per sequence)
-    mode: Literal["pipeline", "conventional", "async"] = "pipeline"
+    #   (they stop admitting requests, drain, then load: one version per sequence);
+    # colocated: the baseline, one process (no torchrun) that generates, then trains, and again, on the weights it
+    #   has just trained (training/colocated.py)
+    mode: Literal["pipeline", "conventional", "async", "colocated"] = "pipeline"
     # attempts per prompt (the group of the baseline)
     attempts: int = 8
     # sequences per optimizer step, all trainer ranks together

@@ -30,8 +30,7 @@ from pipelinerl_fsdp.inference.factory import build_engine
 from pipelinerl_fsdp.inference.turns import TurnEngine, scored_text
 from pipelinerl_fsdp.job.world import World, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
-from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
-from pipelinerl_fsdp.rl.advantages import shaped_group_advantages
+from pipelinerl_fsdp.rl.groups import group_samples
 from pipelinerl_fsdp.runtime.faults import logprob_shift, maybe_fail
 from pipelinerl_fsdp.samples import EngineStats, EvalReport, Sample
 from pipelinerl_fsdp.tasks import Problem, ProblemStream
@@ -103,7 +102,7 @@ class InferenceWorker:
         """Continue the prompt stream after the groups the checkpoint had seen; wait for its weights."""
         nxt = read_meta(path)["stream_next"].get(str(self.world.inference_index))
         if nxt is not None:
-            self.stream.reset({"index": nxt})
+            self.stream.load_state_dict({"index": nxt})
         self._take_update()  # the trainer pushes the restored weights first
 
     def _take_update(self) -> None:
@@ -233,36 +232,17 @@ class InferenceWorker:
                 self._send_group(gid, g)
 
     def _send_group(self, gid: int, g: _Group) -> None:
-        rl = self.cfg.rl
         rids = sorted(g.done)
-        rewards = [g.scores[r][0] for r in rids]
-        loss, lengths = self.cfg.loss, [len(g.done[r].tokens) for r in rids]
-        advs = shaped_group_advantages(
-            rewards,
-            lengths,
-            rl.baseline,
-            rl.std_normalize,
+        samples = group_samples(
+            gid,
+            g.prompt_ids,
+            [g.done[r] for r in rids],
+            [g.scores[r] for r in rids],
+            self.cfg.rl,
+            self.cfg.loss,
             self.cfg.task.max_new_tokens,
-            loss.overlong_buffer,
-            loss.overlong_penalty,
+            logprob_shift(),  # a test's fault: 0.0
         )
-        shift = logprob_shift()  # a test's fault: 0.0
-        samples = []
-        for rid, reward, adv in zip(rids, rewards, advs):
-            r = g.done[rid]
-            samples.append(
-                Sample(
-                    gid,
-                    g.prompt_ids,
-                    r.tokens,
-                    [lp + shift for lp in r.logprobs] if shift else r.logprobs,
-                    r.versions,
-                    reward,
-                    adv,
-                    r.finished,
-                    OUTCOME_CODE[g.scores[rid][1]],
-                )
-            )
         self._send(samples)
 
     def _send(self, payload: list[Sample] | EvalReport) -> None:

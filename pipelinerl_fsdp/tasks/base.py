@@ -177,7 +177,8 @@ def register_task(name: str) -> Callable[[T], T]:
 
 
 class ProblemStream(BaseNode[Problem]):
-    """An endless, resumable stream of training problems (torchdata node; state = next index).
+    """An endless, resumable stream of training problems (torchdata node; state = next index: `state_dict()`,
+    `load_state_dict()`).
 
     With several consumers (data-parallel ranks, inference ranks) each takes every `stride`-th index from
     `offset`, so the streams are disjoint and together cover the same sequence.
@@ -199,3 +200,7 @@ class ProblemStream(BaseNode[Problem]):
 
     def get_state(self) -> dict[str, Any]:
         return {"index": self._index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (a `state_dict()` of a stream with the same task, seed, offset and stride)."""
+        self.reset(state)

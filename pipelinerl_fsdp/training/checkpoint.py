@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from pipelinerl_fsdp.checkpoint_layout import read_meta, step_dir
 from pipelinerl_fsdp.runtime.faults import maybe_fail
+from pipelinerl_fsdp.training.policy import Policy
 
 
 def save_checkpoint(
@@ -94,3 +96,27 @@ def load_checkpoint(
     scheduler.load_state_dict(meta["scheduler"])
     torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
     return meta
+
+
+@dataclass
+class Checkpointer:
+    """The RL trainer's checkpoints of `policy` in `folder` (`checkpoint.folder`), the newest `keep` kept; every
+    method is collective over the trainer ranks (`group`)."""
+
+    folder: Path
+    keep: int
+    policy: Policy
+    group: dist.ProcessGroup | None
+    is_main: bool
+
+    def save(self, step: int, meta: dict[str, Any]) -> Path:
+        """Save after `step` optimizer steps; `meta` (JSON) goes into meta.json beside the step and schedule."""
+        p = self.policy
+        return save_checkpoint(
+            self.folder, step, p.model, p.optimizer, p.scheduler, meta, self.group, self.is_main, self.keep
+        )
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Restore the policy (model, optimizer, schedule) and the RNG from `path`; returns its meta dict."""
+        p = self.policy
+        return load_checkpoint(path, p.model, p.optimizer, p.scheduler, self.group)

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from pipelinerl_fsdp.config import RLConfig
 from pipelinerl_fsdp.rl.advantages import is_zero_advantage_group
@@ -75,6 +75,32 @@ class Collector:
     def stream_next(self) -> dict[str, int]:
         """Per inference index, the prompt-stream position after the newest group received (for resume)."""
         return {str(k): v + self.n_engines for k, v in self.max_gid.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run continues from (JSON; the trainer checkpoint's meta holds it): the counts and, per
+        inference index, the prompt-stream position after the newest group received (`stream_next`, which the
+        engines resume from). Groups received but not yet trained on are not part of it: the engines continue
+        after them, so a resumed run never trains on them."""
+        c = self.counts
+        return {
+            "dropped_stale": c.dropped_samples,
+            "dropped_stale_groups": c.dropped_groups,
+            "filtered_zero_adv": c.filtered_samples,
+            "filtered_zero_adv_groups": c.filtered_groups,
+            "dropped_nonfinite": c.nonfinite_samples,
+            "stream_next": self.stream_next(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state` (a `state_dict()`; keys an older checkpoint lacks count from 0)."""
+        self.counts = CollectorCounts(
+            state["dropped_stale"],
+            state.get("dropped_stale_groups", 0),
+            state.get("filtered_zero_adv", 0),
+            state.get("filtered_zero_adv_groups", 0),
+            state.get("dropped_nonfinite", 0),
+        )
+        self.max_gid = {int(k): v - self.n_engines for k, v in state["stream_next"].items()}
 
     def queued_samples(self) -> int:
         return self.source.qsize() * self.rl.attempts + sum(len(g) for g in self.buffer)

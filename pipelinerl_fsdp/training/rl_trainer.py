@@ -10,19 +10,29 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp.checkpoint_layout import export_folder, resume_point
-from pipelinerl_fsdp.config import Config
+from pipelinerl_fsdp.config import (
+    CheckpointConfig,
+    Config,
+    LossConfig,
+    MetricsConfig,
+    RLConfig,
+    TrainerConfig,
+)
 from pipelinerl_fsdp.job.world import World, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.models import save_hf_folder
 from pipelinerl_fsdp.records import total
-from pipelinerl_fsdp.rl.batching import rl_micro_batches, split_balanced
+from pipelinerl_fsdp.rl.batching import split_balanced
 from pipelinerl_fsdp.rl.loss import LossStats
 from pipelinerl_fsdp.rl.normalization import assign_loss_weights
 from pipelinerl_fsdp.rl.step_metrics import StepTimes, mismatch_error, step_metrics, update_pauses
@@ -31,14 +41,15 @@ from pipelinerl_fsdp.runtime.faults import maybe_fail, nan_loss_at
 from pipelinerl_fsdp.runtime.processes import kill_descendants
 from pipelinerl_fsdp.runtime.stopping import StopRequested
 from pipelinerl_fsdp.samples import EngineStats, Sample
-from pipelinerl_fsdp.training.checkpoint import load_checkpoint, save_checkpoint
+from pipelinerl_fsdp.tasks import Task
+from pipelinerl_fsdp.training.checkpoint import Checkpointer
 from pipelinerl_fsdp.training.collector import Collector
 from pipelinerl_fsdp.training.evaluation import EvalAggregator
 from pipelinerl_fsdp.training.metrics import MetricsLogger, rl_console
 from pipelinerl_fsdp.training.parallelize import full_state_dict
-from pipelinerl_fsdp.training.policy import build_policy, load_sharded
+from pipelinerl_fsdp.training.policy import Policy, build_policy, load_sharded
+from pipelinerl_fsdp.training.rl_step import RLStep
 from pipelinerl_fsdp.training.rollout_log import RolloutLog, as_text
-from pipelinerl_fsdp.training.train_step import add_reference_logprobs, forward_backward, reduce_over_ranks, rl_loss_fn
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, scatter_samples
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import PushStats, WeightSender
@@ -48,98 +59,65 @@ class MismatchError(RuntimeError):
     """The engines and the trainer disagree on the log-probs of tokens sampled with the same weights."""
 
 
-class RLTrainer:
-    """One trainer rank of the RL stage: `setup` in the constructor, then `train_step` per step, `checkpoint`,
-    `close`. Every method is collective over the trainer ranks."""
+@dataclass
+class TrainerParts:
+    """RLTrainer's collaborators, built by `run_trainer` (fakes in unit tests). The collector and the rollout
+    receiver exist on the first trainer rank only."""
 
-    def __init__(self, cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int) -> None:
-        self.cfg, self.world, self.model_path = cfg, world, inputs.model_path
-        model_path = inputs.model_path
-        rl, device = cfg.rl, world.device
-        self.policy = build_policy(load_sharded(model_path, world, cfg.trainer), cfg.trainer.optimizer, rl.max_steps)
-        self.ref_model = None
-        if rl.kl_coef > 0:  # the frozen initial policy, sharded like the trained one
-            self.ref_model = load_sharded(model_path, world, cfg.trainer).requires_grad_(False)
-        bucket_group = None
-        sync = inputs.weight_sync
-        if world.is_main and sync.workers_join:  # the engine's workers receive the buckets themselves
-            bucket_group = join_store_group(
-                *store_address(),
-                ENGINE_BUCKET_GROUP,
-                0,
-                sync.bucket_group_size,
-                world.backend,
-                device,
-                cfg.world.timeout_s,
-            )
-        self.sender = WeightSender(
-            self.policy.model,
-            world.weight_group,
-            world.trainer_ranks[0],
-            world.is_main,
-            sync.dtype,
-            sync.bucket_device(device),
-            bucket_bytes,
-            bucket_group,
-            cfg.world.timeout_s,
-        )
-        self.collector: Collector | None = None
-        self.receiver: RolloutReceiver | None = None
-        if world.is_main:
-            # The receive queue holds what the trainer takes at once (a step's groups, or one part of them with
-            # rl.waves): with the engines' small send queues this bounds how far generation can run ahead of
-            # training (and so the lag).
-            self.receiver = RolloutReceiver(world.rollout_group, len(world.inference_ranks), self._wave_groups())
-            self.collector = Collector(self.receiver, rl, len(world.inference_ranks))
-        self.tokenizer, self.task = inputs.tokenizer, inputs.task
-        # held-out evaluation runs on the engines; their reports are joined here
-        self.eval_sets = list(self.task.eval_sets())
-        self.evals = EvalAggregator(self.eval_sets, len(world.inference_ranks), cfg.eval.pass_k)
+    world: World
+    task: Task
+    policy: Policy
+    step: RLStep
+    pusher: WeightSender
+    collector: Collector | None
+    receiver: RolloutReceiver | None
+    logger: MetricsLogger
+    rollout_log: RolloutLog
+    evals: EvalAggregator
+    checkpointer: Checkpointer
+    exporter: PolicyExporter
+
+
+class RLTrainer:
+    """One trainer rank of the RL stage over its collaborators (`TrainerParts`): `train_step` per step,
+    `checkpoint`, `close`; `run` loops over them. Every method is collective over the trainer ranks."""
+
+    def __init__(
+        self,
+        rl: RLConfig,
+        trainer: TrainerConfig,
+        loss: LossConfig,
+        metrics: MetricsConfig,
+        checkpoint: CheckpointConfig,
+        eval_every: int,
+        max_new_tokens: int,
+        max_num_seqs: int,
+        timeout_s: float,
+        parts: TrainerParts,
+        resumed: dict[str, Any] | None = None,
+    ) -> None:
+        """`resumed`: the meta dict of the checkpoint the policy was restored from (`Checkpointer.load`); the
+        run continues at its step and version, and the engines get its weights first."""
+        self.rl, self.trainer, self.loss, self.metrics, self.checkpoint_cfg = rl, trainer, loss, metrics, checkpoint
+        self.eval_every, self.max_new_tokens, self.max_num_seqs = eval_every, max_new_tokens, max_num_seqs
+        self.timeout_s = timeout_s
+        self.world, self.task, self.policy, self.step = parts.world, parts.task, parts.policy, parts.step
+        self.sender, self.collector, self.receiver = parts.pusher, parts.collector, parts.receiver
+        self.logger, self.rollout_log, self.evals = parts.logger, parts.rollout_log, parts.evals
+        self.checkpointer, self.exporter = parts.checkpointer, parts.exporter
         self._evals_done: list[dict[str, float]] = []  # completed since the last record, oldest first
         self.version = self.start_step = 0
         self.nonfinite_in_row = self.skipped_steps = 0
         self._mismatch_checked = False  # rl.check_mismatch runs once, on the first step with lag-0 tokens
-        resume_from, skipped = resume_point(cfg.checkpoint, cfg.job.output_dir)
-        for warning in skipped if world.is_main else []:
-            print(f"[rl] warning: {warning}", flush=True)
-        if resume_from is not None:
-            self._resume(resume_from)
-        self.logger = MetricsLogger(
-            Path(cfg.job.output_dir) / "rl",
-            cfg.metrics.tensorboard,
-            world.is_main,
-            prefix="rl/",
-            total_steps=rl.max_steps,
-            console_fields=rl_console(self.eval_sets[0] if self.eval_sets else None),
-            resume_step=self.start_step,  # 0 in a fresh run
-        )
-        self.rollout_log = RolloutLog(
-            Path(cfg.job.output_dir) / "rl" / "rollouts",
-            self.tokenizer,
-            self.task,
-            cfg.job.seed,
-            cfg.metrics.rollouts_every,
-        )
+        if resumed is not None:
+            self.start_step, self.version = resumed["step"], resumed["version"]
+            if self.collector is not None:
+                self.collector.load_state_dict(resumed)
+            self.sender.push(self.version)  # the engines wait for the restored weights before generating
         self._engines_before = EngineStats()
         self._pauses_before = (0.0, 0.0)  # the engines' cumulative update pauses (ms, count) at the last record
         self._t_prev = time.perf_counter()
         self._push_s = 0.0  # the last step's weight push (wall time; 0 when nothing was pushed)
-
-    def _resume(self, path: Path) -> None:
-        p = self.policy
-        meta = load_checkpoint(path, p.model, p.optimizer, p.scheduler, self.world.trainer_group)
-        self.start_step, self.version = meta["step"], meta["version"]
-        if self.collector is not None:
-            self.collector.counts.dropped_samples = meta["dropped_stale"]
-            self.collector.counts.dropped_groups = meta.get("dropped_stale_groups", 0)
-        self.sender.push(self.version)  # the engines wait for the restored weights before generating
-        if self.world.is_main:
-            print(f"[rl] resumed from {path} at step {self.start_step}, version {self.version}", flush=True)
-
-    def _wave_groups(self) -> int:
-        """Groups in each of a step's parts (`rl.waves`, which validation makes divide the step's groups)."""
-        rl = self.cfg.rl
-        return rl.batch_size // rl.attempts // rl.waves
 
     def _my_share(self) -> list[Sample]:
         """This rank's samples of the next part of the batch (`rl.waves`; the whole batch by default): the
@@ -148,9 +126,9 @@ class RLTrainer:
         parts, stop = None, 0
         if self.collector is not None:
             try:
-                batch = self.collector.next_batch(self.version, self.cfg.world.timeout_s, self._wave_groups())
-                rl, budget = self.cfg.rl, self.cfg.task.max_new_tokens
-                assign_loss_weights(batch, self.cfg.loss, rl.batch_size, rl.attempts, budget)
+                batch = self.collector.next_batch(self.version, self.timeout_s, wave_groups(self.rl))
+                rl, budget = self.rl, self.max_new_tokens
+                assign_loss_weights(batch, self.loss, rl.batch_size, rl.attempts, budget)
                 parts = split_balanced(batch, len(self.world.trainer_ranks))
                 self._batch += [s for part in parts for s in part]  # for the metrics and rollout logs (this rank)
             except StopRequested as e:  # the other trainer ranks stop here too, at the same step
@@ -160,81 +138,66 @@ class RLTrainer:
 
     def train_step(self, step: int) -> None:
         """Optimizer step number `step` (0-based): data, forward/backward, update, weight push, metrics."""
-        cfg, world, device = self.cfg, self.world, self.world.device
+        rl, world = self.rl, self.world
         maybe_fail(world.rank, step)
         t_start = time.perf_counter()
-        self._batch, waited, waves = [], 0.0, []
-        for wave in range(cfg.rl.waves):  # each part trained as soon as it is in hand (rl.waves)
-            t_wait = time.perf_counter()
-            mine = self._my_share()
-            waited += time.perf_counter() - t_wait
-            micro = rl_micro_batches(mine, cfg.trainer.micro_batch_tokens, device, self.version)
-            if self.ref_model is not None:
-                add_reference_logprobs(
-                    self.ref_model,
-                    micro,
-                    cfg.inference.temperature,
-                    world.trainer_group,
-                    device,
-                    cfg.trainer.logprob_chunk_size,
-                )
-            wave_stats = forward_backward(
-                self.policy.model,
-                micro,
-                rl_loss_fn(cfg.loss, cfg.rl.kl_coef, len(world.trainer_ranks)),
-                cfg.inference.temperature,
-                world.trainer_group,
-                device,
-                cfg.trainer.logprob_chunk_size,
-                cfg.trainer.defer_grad_sync,
-                final=wave == cfg.rl.waves - 1,
-            )
-            waves.append(total(wave_stats, LossStats()))
+        self._batch, waited = [], 0.0
+        lr = self.policy.lr  # the step's (the schedule moves with the optimizer step)
+        finished: PushStats | None = None
+        finish_s = 0.0
+
+        def shares() -> Iterator[list[Sample]]:  # each part trained as soon as it is in hand (rl.waves)
+            nonlocal waited
+            while True:
+                t_wait = time.perf_counter()
+                mine = self._my_share()
+                waited += time.perf_counter() - t_wait
+                yield mine
+
+        def before_update(sums: LossStats) -> None:  # after the last backward, before the update
+            nonlocal finished, finish_s
+            if nan_loss_at(step):
+                for p in self.policy.model.parameters():  # as if the loss had been NaN: every gradient NaN
+                    if p.grad is not None:
+                        p.grad.fill_(float("nan"))
+            self._check_mismatch(sums)
+            t_finish = time.perf_counter()
+            with waiting_for(f"the engines to receive weight version {self.version}", world.rank):
+                finished = self.sender.finish()  # an overlapped push may still read the parameters changed now
+            finish_s = time.perf_counter() - t_finish
+
+        sums, grad_norm = self.step.run(shares(), rl.waves, self.version, before_update)
         # the step's time waiting for data, as if it had come first (busy time = the rest)
         t_data = t_start + waited
-        if nan_loss_at(step):
-            for p in self.policy.model.parameters():  # as if the loss had been NaN: every gradient NaN
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
-        sums = reduce_over_ranks(total(waves, LossStats()), world.trainer_group, device)
-        self._check_mismatch(sums)
-        lr = self.policy.lr
-        t_finish = time.perf_counter()
-        with waiting_for(f"the engines to receive weight version {self.version}", world.rank):
-            finished = self.sender.finish()  # an overlapped push may still read the parameters changed now
-        finish_s = time.perf_counter() - t_finish
-        grad_norm = self.policy.step()
         trained_version = self.version
         if not math.isfinite(grad_norm):  # nothing was applied: same weights, same version, nothing to push
             self.nonfinite_in_row += 1
             self.skipped_steps += 1
-            if self.nonfinite_in_row >= cfg.trainer.max_nonfinite_steps:
+            if self.nonfinite_in_row >= self.trainer.max_nonfinite_steps:
                 raise FloatingPointError(
                     f"non-finite loss or gradient in {self.nonfinite_in_row} steps in a row (up to step {step + 1}; "
-                    f"trainer.max_nonfinite_steps = {cfg.trainer.max_nonfinite_steps}): stopping the run"
+                    f"trainer.max_nonfinite_steps = {self.trainer.max_nonfinite_steps}): stopping the run"
                 )
         else:
             self.nonfinite_in_row = 0
             self.version += 1
-        last = step + 1 == cfg.rl.max_steps
+        last = step + 1 == rl.max_steps
         # the last version always reaches the engines when they evaluate it (conventional rounds may end early)
-        sync = self.version != trained_version and (
-            self.version % cfg.rl.sync_every == 0 or (last and cfg.eval.every > 0)
-        )
+        sync = self.version != trained_version and (self.version % rl.sync_every == 0 or (last and self.eval_every > 0))
         push, t_push = None, time.perf_counter()
         if sync:
             with waiting_for(f"the engines to receive weight version {self.version}", world.rank):
-                push = self.sender.push(self.version, wait=not cfg.rl.overlap_push)
+                push = self.sender.push(self.version, wait=not rl.overlap_push)
         push = push or finished  # the statistics of the last push that has ended
         # the trainer's time blocked on pushes this step: this one, and the wait for the previous one above
         self._push_s = time.perf_counter() - t_push + finish_s
         t_end = time.perf_counter()
         if self.collector is not None:
-            if last and cfg.eval.every and self.eval_sets:  # the final policy's evaluation belongs to the last step
+            if last and self.eval_every and self.evals.set_names:  # the final policy's evaluation: the last step's
                 self.collector.wait_for(
                     self._final_eval_done,
                     self.version,
-                    cfg.world.timeout_s,
+                    self.timeout_s,
                     f"the engines' evaluation of the final version {self.version}",
                 )
             self._log(
@@ -250,7 +213,7 @@ class RLTrainer:
 
     def _check_mismatch(self, sums: LossStats) -> None:
         """`rl.check_mismatch`: before the first update, on every trainer rank (`sums` reduced over them)."""
-        bound = self.cfg.rl.check_mismatch
+        bound = self.rl.check_mismatch
         if self._mismatch_checked or not bound:
             return
         if sums.lag0_tokens > 0:  # else the next step checks (no token of the trained version in this batch)
@@ -279,7 +242,7 @@ class RLTrainer:
             engines,
             self._engines_before,
             times,
-            self.cfg.inference.max_num_seqs,
+            self.max_num_seqs,
             self.task.multi_turn,
         )
         self._engines_before = engines
@@ -289,7 +252,7 @@ class RLTrainer:
         values.update(
             {
                 "version": self.version,
-                "samples": (step + 1) * self.cfg.rl.batch_size,
+                "samples": (step + 1) * self.rl.batch_size,
                 "grad_norm": grad_norm,
                 "lr": lr,
                 "broadcast_mb_per_s": push.mb_per_s if push else float("nan"),
@@ -308,8 +271,8 @@ class RLTrainer:
             values["data_epoch"] = epoch  # of the newest problem the engines have sent
         self._absorb_evals()
         evals, self._evals_done = self._evals_done, []  # two can complete within one step, e.g. with the final one
-        last = step + 1 == self.cfg.rl.max_steps
-        console = (step + 1) % self.cfg.metrics.log_every == 0 or step == self.start_step or last
+        last = step + 1 == self.rl.max_steps
+        console = (step + 1) % self.metrics.log_every == 0 or step == self.start_step or last
         self.logger.log(step + 1, values, console=console, evals=evals)
         self._log_rollouts(step + 1, trained_version, console)
 
@@ -328,7 +291,7 @@ class RLTrainer:
         return self.evals.complete(self.version)
 
     def _log_rollouts(self, step: int, trained_version: int, console: bool) -> None:
-        n_tb = self.cfg.metrics.rollouts_in_tensorboard if console and self.cfg.metrics.tensorboard else 0
+        n_tb = self.metrics.rollouts_in_tensorboard if console and self.metrics.tensorboard else 0
         if not (self.rollout_log.due(step) or n_tb):
             return
         records = self.rollout_log.records(
@@ -342,31 +305,13 @@ class RLTrainer:
     def checkpoint(self, step: int) -> None:
         """Save a checkpoint after `step` optimizer steps (collective)."""
         c = self.collector
-        meta = {
-            "version": self.version,
-            "dropped_stale": c.counts.dropped_samples if c else 0,
-            "dropped_stale_groups": c.counts.dropped_groups if c else 0,
-            "stream_next": c.stream_next() if c else {},
-        }
-        p = self.policy
-        save_checkpoint(
-            self.cfg.checkpoint.folder_under(self.cfg.job.output_dir),
-            step,
-            p.model,
-            p.optimizer,
-            p.scheduler,
-            meta,
-            self.world.trainer_group,
-            self.world.is_main,
-            self.cfg.checkpoint.keep,
-        )
+        self.checkpointer.save(step, {"version": self.version, **(c.state_dict() if c else {})})
 
     def run(self) -> None:
-        interval, last = self.cfg.checkpoint.interval, self.cfg.rl.max_steps
+        interval, last = self.checkpoint_cfg.interval, self.rl.max_steps
         if self.start_step >= last and self.world.is_main:
             print(f"[rl] the checkpoint is at step {self.start_step} of {last}: nothing left to train", flush=True)
         saved = self.start_step  # the newest checkpoint's step (or where the run began)
-        stopping.install(graceful=interval > 0 and self.cfg.checkpoint.save_on_stop, on_exit=kill_descendants)
         for step in range(self.start_step, last):
             try:
                 self.train_step(step)
@@ -376,11 +321,9 @@ class RLTrainer:
             if interval and ((step + 1) % interval == 0 or step + 1 == last):  # and a final one
                 self.checkpoint(step + 1)
                 saved = step + 1
-            every = self.cfg.checkpoint.export_every
+            every = self.checkpoint_cfg.export_every
             if every and (step + 1) % every == 0 and step + 1 < last:  # the last step's policy goes to final/
-                export_policy(
-                    self.policy.model, export_folder(self.cfg.job.output_dir, step + 1), self.world, self.tokenizer
-                )
+                self.exporter.export(step + 1)
         self.close()
 
     def _stop(self, step: int, saved: int, stop: StopRequested) -> None:
@@ -403,8 +346,29 @@ class RLTrainer:
             self.sender.stop()
             if self.receiver is not None:
                 self.receiver.drain()
-        export_policy(self.policy.model, Path(self.cfg.job.output_dir) / "final", self.world, self.tokenizer)
+        self.exporter.export(None)
         self.logger.close()
+
+
+def wave_groups(rl: RLConfig) -> int:
+    """Groups in each of a step's parts (`rl.waves`, which validation makes divide the step's groups)."""
+    return rl.batch_size // rl.attempts // rl.waves
+
+
+@dataclass
+class PolicyExporter:
+    """Writes the trained policy as HF folders under `output_dir`: `exports/step-N` (`checkpoint.export_every`),
+    `final` (collective over the trainer ranks)."""
+
+    model: torch.nn.Module
+    world: World
+    tokenizer: PreTrainedTokenizerBase
+    output_dir: Path
+
+    def export(self, step: int | None) -> None:
+        """The policy after `step` optimizer steps; None: the final one."""
+        out = self.output_dir / "final" if step is None else export_folder(self.output_dir, step)
+        export_policy(self.model, out, self.world, self.tokenizer)
 
 
 def export_policy(model: torch.nn.Module, out: Path, world: World, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -420,4 +384,95 @@ def export_policy(model: torch.nn.Module, out: Path, world: World, tokenizer: Pr
 
 
 def run_trainer(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int) -> None:
-    RLTrainer(cfg, world, inputs, bucket_bytes).run()
+    """This trainer rank's collaborators (policy, step, weight pusher, collector and rollout receiver, metrics,
+    checkpoints, exports), the restored checkpoint if there is one, and the loop over them."""
+    rl, device, n_engines = cfg.rl, world.device, len(world.inference_ranks)
+    model_path, task = inputs.model_path, inputs.task
+    policy = build_policy(load_sharded(model_path, world, cfg.trainer), cfg.trainer.optimizer, rl.max_steps)
+    ref_model = None
+    if rl.kl_coef > 0:  # the frozen initial policy, sharded like the trained one
+        ref_model = load_sharded(model_path, world, cfg.trainer).requires_grad_(False)
+    step = RLStep(
+        policy,
+        ref_model,
+        cfg.loss,
+        rl.kl_coef,
+        cfg.trainer,
+        cfg.inference.temperature,
+        world.trainer_group,
+        device,
+        len(world.trainer_ranks),
+    )
+    bucket_group = None
+    sync = inputs.weight_sync
+    if world.is_main and sync.workers_join:  # the engine's workers receive the buckets themselves
+        bucket_group = join_store_group(
+            *store_address(),
+            ENGINE_BUCKET_GROUP,
+            0,
+            sync.bucket_group_size,
+            world.backend,
+            device,
+            cfg.world.timeout_s,
+        )
+    pusher = WeightSender(
+        policy.model,
+        world.weight_group,
+        world.trainer_ranks[0],
+        world.is_main,
+        sync.dtype,
+        sync.bucket_device(device),
+        bucket_bytes,
+        bucket_group,
+        cfg.world.timeout_s,
+    )
+    collector: Collector | None = None
+    receiver: RolloutReceiver | None = None
+    if world.is_main:
+        # The receive queue holds what the trainer takes at once (a step's groups, or one part of them with
+        # rl.waves): with the engines' small send queues this bounds how far generation can run ahead of
+        # training (and so the lag).
+        receiver = RolloutReceiver(world.rollout_group, n_engines, wave_groups(rl))
+        collector = Collector(receiver, rl, n_engines)
+    # held-out evaluation runs on the engines; their reports are joined here
+    eval_sets = list(task.eval_sets())
+    evals = EvalAggregator(eval_sets, n_engines, cfg.eval.pass_k)
+    ck_folder = cfg.checkpoint.folder_under(cfg.job.output_dir)
+    checkpointer = Checkpointer(ck_folder, cfg.checkpoint.keep, policy, world.trainer_group, world.is_main)
+    resume_from, skipped = resume_point(cfg.checkpoint, cfg.job.output_dir)
+    for warning in skipped if world.is_main else []:
+        print(f"[rl] warning: {warning}", flush=True)
+    resumed = checkpointer.load(resume_from) if resume_from is not None else None
+    out = Path(cfg.job.output_dir)
+    logger = MetricsLogger(
+        out / "rl",
+        cfg.metrics.tensorboard,
+        world.is_main,
+        prefix="rl/",
+        total_steps=rl.max_steps,
+        console_fields=rl_console(eval_sets[0] if eval_sets else None),
+        resume_step=resumed["step"] if resumed else 0,  # 0 in a fresh run
+    )
+    rollout_log = RolloutLog(out / "rl" / "rollouts", inputs.tokenizer, task, cfg.job.seed, cfg.metrics.rollouts_every)
+    exporter = PolicyExporter(policy.model, world, inputs.tokenizer, out)
+    parts = TrainerParts(
+        world, task, policy, step, pusher, collector, receiver, logger, rollout_log, evals, checkpointer, exporter
+    )
+    trainer = RLTrainer(
+        rl,
+        cfg.trainer,
+        cfg.loss,
+        cfg.metrics,
+        cfg.checkpoint,
+        cfg.eval.every,
+        cfg.task.max_new_tokens,
+        cfg.inference.max_num_seqs,
+        cfg.world.timeout_s,
+        parts,
+        resumed,
+    )
+    if resumed is not None and world.is_main:
+        print(f"[rl] resumed from {resume_from} at step {trainer.start_step}, version {trainer.version}", flush=True)
+    interval = cfg.checkpoint.interval
+    stopping.install(graceful=interval > 0 and cfg.checkpoint.save_on_stop, on_exit=kill_descendants)
+    trainer.run()

@@ -13,13 +13,22 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedTokenizerBase
 
-from pipelinerl_fsdp.config import Config, ConfigError, TokenizerConfig
+from pipelinerl_fsdp.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    TokenizerConfig,
+    TrainerConfig,
+    WarmstartConfig,
+)
 from pipelinerl_fsdp.episodes import env_turn_ids
 from pipelinerl_fsdp.job.world import World
 from pipelinerl_fsdp.models import Transformer, build_model, flavour_args, load_hf_model, save_hf_folder
@@ -30,7 +39,7 @@ from pipelinerl_fsdp.tokenizer import build_char_tokenizer, encode_prompt, load_
 from pipelinerl_fsdp.training.evaluation import greedy_accuracy
 from pipelinerl_fsdp.training.metrics import WARMSTART_CONSOLE, MetricsLogger
 from pipelinerl_fsdp.training.parallelize import full_state_dict
-from pipelinerl_fsdp.training.policy import build_policy, shard
+from pipelinerl_fsdp.training.policy import Policy, build_policy, shard
 from pipelinerl_fsdp.training.train_step import forward_backward, sum_over_ranks
 
 HELD_OUT_FILE = "held_out.json"
@@ -41,7 +50,7 @@ def held_out_fingerprints(task: Task) -> list[str]:
     return sorted({hashlib.sha256(p.prompt.encode()).hexdigest()[:16] for p in task.eval_split()})
 
 
-def held_out_problem(folder: Path, task: Task, cfg: Config) -> str | None:
+def held_out_problem(folder: Path, task: Task) -> str | None:
     """Why the warm-start `folder` cannot be used with this config's held-out split, or None when every held-out
     problem was held out of its training too (or the folder has no record to check against)."""
     record = folder / HELD_OUT_FILE
@@ -53,8 +62,8 @@ def held_out_problem(folder: Path, task: Task, cfg: Config) -> str | None:
     if not missing:
         return None
     return (
-        f"warmstart.path {folder}: {len(missing)} of this run's {len(mine)} held-out problems (task {cfg.task.name}, "
-        f"task.eval_size={cfg.task.eval_size}, task.eval_seed={cfg.task.eval_seed}) were not held out when it was "
+        f"warmstart.path {folder}: {len(missing)} of this run's {len(mine)} held-out problems (task {task.name}, "
+        f"task.eval_size={task.cfg.eval_size}, task.eval_seed={task.cfg.eval_seed}) were not held out when it was "
         "trained, so held-out accuracy would count problems it may have learnt. Delete the folder to train it "
         "again with this held-out set, or point warmstart.path elsewhere"
     )
@@ -66,34 +75,34 @@ def is_complete_hf_folder(path: str | Path) -> bool:
     return (p / "config.json").is_file() and (p / "tokenizer.json").is_file() and has_weights
 
 
-def initial_tokenizer(cfg: Config, task: Task) -> PreTrainedTokenizerBase:
+def initial_tokenizer(fmt: TokenizerConfig, model: ModelConfig, task: Task) -> PreTrainedTokenizerBase:
     """tokenizer.path, else the model folder's tokenizer, else a character tokenizer of the task's alphabet. The
     warm-start folder stores it, so that every later stage loads this same tokenizer."""
-    if cfg.tokenizer.path:
-        return load_tokenizer(cfg.tokenizer.path)
-    if cfg.model.path:
-        return load_tokenizer(cfg.model.path)
+    if fmt.path:
+        return load_tokenizer(fmt.path)
+    if model.path:
+        return load_tokenizer(model.path)
     if not task.alphabet:
         raise ConfigError(
             f"task {task.name!r} has no character alphabet: set tokenizer.path (or model.path) to a "
-            f"folder with its tokenizer ({cfg.source})"
+            "folder with its tokenizer"
         )
     return build_char_tokenizer(task.alphabet)
 
 
-def initial_model(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Transformer:
-    """model.path loaded, else model.flavour randomly initialised (seeded: identical on every rank)."""
-    if cfg.model.path:
-        model = load_hf_model(cfg.model.path)
-        check_vocab(model.args.vocab_size, tokenizer, f"model.path {cfg.model.path}")
-        return model
+def initial_model(model: ModelConfig, seed: int, tokenizer: PreTrainedTokenizerBase) -> Transformer:
+    """model.path loaded, else model.flavour randomly initialised (seeded with `seed`: identical on every rank)."""
+    if model.path:
+        loaded = load_hf_model(model.path)
+        check_vocab(loaded.args.vocab_size, tokenizer, f"model.path {model.path}")
+        return loaded
     args = flavour_args(
-        cfg.model.flavour,
+        model.flavour,
         vocab_size=len(tokenizer),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    return build_model(args, seed=cfg.job.seed)
+    return build_model(args, seed=seed)
 
 
 def encode_supervised(
@@ -115,7 +124,7 @@ def encode_supervised(
     return seq, mask
 
 
-@dataclasses.dataclass
+@dataclass
 class SupervisedBatch(PackedRow):
     """A packed micro-batch of the warm start: the row, and 1 on the targets the loss counts ([T])."""
 
@@ -134,15 +143,101 @@ def supervised_micro_batches(
     return out
 
 
-def _check_generation_budget(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase) -> None:
-    problems = task.eval_split() or [task.train_problem(cfg.job.seed, i) for i in range(100)]
-    n_prompt = {id(p): len(encode_prompt(tokenizer, p.prompt, cfg.tokenizer)) for p in problems}
-    longest = max(len(encode_supervised(tokenizer, p, cfg.tokenizer, task)[0]) - n_prompt[id(p)] for p in problems)
-    if longest > cfg.task.max_new_tokens:
+def _check_generation_budget(task: Task, tokenizer: PreTrainedTokenizerBase, fmt: TokenizerConfig, seed: int) -> None:
+    problems = task.eval_split() or [task.train_problem(seed, i) for i in range(100)]
+    n_prompt = {id(p): len(encode_prompt(tokenizer, p.prompt, fmt)) for p in problems}
+    longest = max(len(encode_supervised(tokenizer, p, fmt, task)[0]) - n_prompt[id(p)] for p in problems)
+    if longest > task.cfg.max_new_tokens:
         raise ConfigError(
-            f"task.max_new_tokens = {cfg.task.max_new_tokens} is too small: held-out solutions of "
-            f"task {task.name!r} need up to {longest} tokens with EOS ({cfg.source})"
+            f"task.max_new_tokens = {task.cfg.max_new_tokens} is too small: held-out solutions of "
+            f"task {task.name!r} need up to {longest} tokens with EOS"
         )
+
+
+@dataclass
+class WarmStartParts:
+    """The warm start loop's collaborators, built by `run_warmstart`."""
+
+    task: Task
+    tokenizer: PreTrainedTokenizerBase
+    policy: Policy
+    stream: ProblemStream  # this rank's problems
+    evaluate: Callable[[], float]  # the policy's held-out greedy accuracy (collective: the same on every rank)
+    logger: MetricsLogger
+    world: World
+
+
+class WarmStart:
+    """Supervised steps on reference solutions, evaluated every `warmstart.eval_every` steps; `run` loops."""
+
+    def __init__(
+        self, ws: WarmstartConfig, trainer: TrainerConfig, fmt: TokenizerConfig, log_every: int, parts: WarmStartParts
+    ) -> None:
+        self.ws, self.trainer, self.fmt, self.log_every = ws, trainer, fmt, log_every
+        self.task, self.tokenizer, self.policy, self.stream = parts.task, parts.tokenizer, parts.policy, parts.stream
+        self.evaluate, self.logger, self.world = parts.evaluate, parts.logger, parts.world
+
+    def run(self) -> float:
+        """`warmstart.steps` steps (fewer once `warmstart.stop_at_accuracy` is reached); returns the last held-out
+        accuracy."""
+        ws, trainer, world = self.ws, self.trainer, self.world
+        group, device = world.trainer_group, world.device
+        n_ranks = len(world.trainer_ranks)
+        model = self.policy.model
+        per_rank = ws.batch_size // n_ranks
+        total_tokens = 0
+        t_last = time.time()
+        accuracy = float("nan")
+        for step in range(ws.steps):
+            encoded = [
+                encode_supervised(self.tokenizer, next(self.stream), self.fmt, self.task) for _ in range(per_rank)
+            ]
+            seqs, masks = [e[0] for e in encoded], [e[1] for e in encoded]
+            n_loss_tokens = sum_over_ranks([sum(sum(m) for m in masks)], group, device)[0]
+
+            def loss_fn(logp: torch.Tensor, ent: torch.Tensor, mb: SupervisedBatch, n_loss_tokens=n_loss_tokens):
+                nll = -(logp * mb.loss_mask).sum()
+                # FSDP averages gradients over ranks: scale so the step minimises the mean over all ranks' tokens.
+                return nll * n_ranks / n_loss_tokens, float(nll.detach())
+
+            micro = supervised_micro_batches(seqs, masks, trainer.micro_batch_tokens, device)
+            nlls = forward_backward(
+                model, micro, loss_fn, 1.0, group, device, trainer.logprob_chunk_size, trainer.defer_grad_sync
+            )
+            lr = self.policy.lr
+            grad_norm = self.policy.step()
+            total_tokens += sum(len(s) - 1 for s in seqs)
+            last = step == ws.steps - 1
+            evaluated = (step + 1) % ws.eval_every == 0 or last
+            if evaluated:
+                accuracy = self.evaluate()  # the same on every rank (counts summed): every rank stops at one step
+            stop = evaluated and bool(ws.stop_at_accuracy) and accuracy >= ws.stop_at_accuracy
+            if (step + 1) % self.log_every == 0 or last or stop:
+                nll = sum_over_ranks([sum(nlls, 0.0)], group, device)[0]
+                toks = sum_over_ranks([float(total_tokens)], group, device)[0]
+                now = time.time()
+                values = {
+                    "loss": nll / n_loss_tokens,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "train_tokens_per_s": toks / (now - t_last),
+                    "samples": (step + 1) * ws.batch_size,
+                }
+                if evaluated:
+                    values["eval_accuracy"] = accuracy
+                self.logger.log(step + 1, values)
+                total_tokens, t_last = 0, now
+            if stop:
+                if world.is_main:
+                    print(
+                        f"[warmstart] held-out accuracy {accuracy:.3f} >= warmstart.stop_at_accuracy = "
+                        f"{ws.stop_at_accuracy} after {step + 1} steps: stopping",
+                        flush=True,
+                    )
+                break
+        if ws.steps == 0:
+            accuracy = self.evaluate()
+        return accuracy
 
 
 def run_warmstart(cfg: Config, world: World) -> Path:
@@ -152,7 +247,7 @@ def run_warmstart(cfg: Config, world: World) -> Path:
     group, device = world.trainer_group, world.device
     n_ranks, dp_rank = len(world.trainer_ranks), world.trainer_rank
     if is_complete_hf_folder(out):
-        why = held_out_problem(out, task, cfg)
+        why = held_out_problem(out, task)
         if why:
             raise ConfigError(why)
         if world.is_main:
@@ -165,18 +260,16 @@ def run_warmstart(cfg: Config, world: World) -> Path:
                 )
         return out
 
-    tokenizer = initial_tokenizer(cfg, task)
-    _check_generation_budget(cfg, task, tokenizer)
+    tokenizer = initial_tokenizer(cfg.tokenizer, cfg.model, task)
+    _check_generation_budget(task, tokenizer, cfg.tokenizer, cfg.job.seed)
     check_sequence_budget(cfg.trainer, cfg.inference, cfg.tokenizer, cfg.task, task, tokenizer)
-    model = initial_model(cfg, tokenizer)
+    model = initial_model(cfg.model, cfg.job.seed, tokenizer)
     args = model.args
     stops = stop_token_ids(cfg.model.path, tokenizer) if cfg.model.path else [tokenizer.eos_token_id]
     eval_model = build_model(args, device=device, dtype=torch.float32)
     ws = cfg.warmstart
     policy = build_policy(shard(model, world, cfg.trainer), ws.optimizer, ws.steps)
-    model = policy.model
     stream = ProblemStream(task, seed=cfg.job.seed, offset=dp_rank, stride=n_ranks)
-    per_rank = ws.batch_size // n_ranks
     logger = MetricsLogger(
         Path(cfg.job.output_dir) / "warmstart",
         cfg.metrics.tensorboard,
@@ -193,7 +286,7 @@ def run_warmstart(cfg: Config, world: World) -> Path:
         )
 
     def evaluate() -> float:
-        eval_model.load_state_dict(full_state_dict(model))
+        eval_model.load_state_dict(full_state_dict(policy.model))
         return greedy_accuracy(
             eval_model,
             task,
@@ -206,62 +299,14 @@ def run_warmstart(cfg: Config, world: World) -> Path:
             stops,
         )
 
-    total_tokens = 0
-    t_last = time.time()
-    accuracy = float("nan")
-    for step in range(ws.steps):
-        encoded = [encode_supervised(tokenizer, next(stream), cfg.tokenizer, task) for _ in range(per_rank)]
-        seqs, masks = [e[0] for e in encoded], [e[1] for e in encoded]
-        n_loss_tokens = sum_over_ranks([sum(sum(m) for m in masks)], group, device)[0]
-
-        def loss_fn(logp: torch.Tensor, ent: torch.Tensor, mb: SupervisedBatch, n_loss_tokens=n_loss_tokens):
-            nll = -(logp * mb.loss_mask).sum()
-            # FSDP averages gradients over ranks: scale so the step minimises the mean over all ranks' tokens.
-            return nll * n_ranks / n_loss_tokens, float(nll.detach())
-
-        micro = supervised_micro_batches(seqs, masks, cfg.trainer.micro_batch_tokens, device)
-        nlls = forward_backward(
-            model, micro, loss_fn, 1.0, group, device, cfg.trainer.logprob_chunk_size, cfg.trainer.defer_grad_sync
-        )
-        lr = policy.lr
-        grad_norm = policy.step()
-        total_tokens += sum(len(s) - 1 for s in seqs)
-        last = step == ws.steps - 1
-        evaluated = (step + 1) % ws.eval_every == 0 or last
-        if evaluated:
-            accuracy = evaluate()  # the same on every rank (counts summed), so every rank stops at the same step
-        stop = evaluated and bool(ws.stop_at_accuracy) and accuracy >= ws.stop_at_accuracy
-        if (step + 1) % cfg.metrics.log_every == 0 or last or stop:
-            nll = sum_over_ranks([sum(nlls, 0.0)], group, device)[0]
-            toks = sum_over_ranks([float(total_tokens)], group, device)[0]
-            now = time.time()
-            values = {
-                "loss": nll / n_loss_tokens,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "train_tokens_per_s": toks / (now - t_last),
-                "samples": (step + 1) * ws.batch_size,
-            }
-            if evaluated:
-                values["eval_accuracy"] = accuracy
-            logger.log(step + 1, values)
-            total_tokens, t_last = 0, now
-        if stop:
-            if world.is_main:
-                print(
-                    f"[warmstart] held-out accuracy {accuracy:.3f} >= warmstart.stop_at_accuracy = "
-                    f"{ws.stop_at_accuracy} after {step + 1} steps: stopping",
-                    flush=True,
-                )
-            break
-    if ws.steps == 0:
-        accuracy = evaluate()
+    parts = WarmStartParts(task, tokenizer, policy, stream, evaluate, logger, world)
+    accuracy = WarmStart(ws, cfg.trainer, cfg.tokenizer, cfg.metrics.log_every, parts).run()
     if ws.min_accuracy and accuracy < ws.min_accuracy:
         raise RuntimeError(
             f"warm start reached held-out accuracy {accuracy:.3f} < warmstart.min_accuracy = "
             f"{ws.min_accuracy}; raise warmstart.steps or the learning rate"
         )
-    full = full_state_dict(model, keep=world.is_main, on_cpu=True)
+    full = full_state_dict(policy.model, keep=world.is_main, on_cpu=True)
     if world.is_main:
         save_warmstart_folder(out, args, full, tokenizer, held_out_fingerprints(task))
         print(f"[warmstart] saved {out} (held-out greedy accuracy {accuracy:.3f})", flush=True)

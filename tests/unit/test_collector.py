@@ -3,6 +3,8 @@ re-checked at the next step, conventional rounds collected at the round's first 
 
 from __future__ import annotations
 
+import copy
+import json
 import threading
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from pipelinerl_fsdp.config import RLConfig
 from pipelinerl_fsdp.rl.advantages import group_advantages
 from pipelinerl_fsdp.samples import EngineStats, Sample
-from pipelinerl_fsdp.training.collector import Collector, group_lag, split_stale
+from pipelinerl_fsdp.training.collector import Collector, CollectorCounts, group_lag, split_stale
 
 
 def group(
@@ -160,3 +162,36 @@ def test_a_group_with_a_non_finite_logprob_is_dropped_and_counted():
     c = Collector(src, rl(), n_engines=1)
     assert {s.group_id for s in c.next_batch(1, 5)} == {0, 2}
     assert c.counts.nonfinite_samples == 2
+
+
+def test_a_restored_collector_continues_like_the_uninterrupted_one():
+    nonfinite = group(4, [[4], [4]])
+    nonfinite[1].logprobs = [float("nan")]
+    # before the checkpoint: fresh, stale (max_lag 2), zero-advantage, non-finite, fresh; from two engines
+    groups = [group(0, [[4], [4]]), group(1, [[1], [4]]), group(3, [[4], [4]], [1.0, 1.0]), nonfinite]
+    groups += [group(2, [[4], [4]])]
+    # after it: fresh, stale, zero-advantage, fresh, fresh, fresh
+    groups += [group(5, [[5], [5]]), group(6, [[4], [1]]), group(7, [[5], [5]], [0.0, 0.0]), group(8, [[5], [5]])]
+    groups += [group(9, [[5], [5]]), group(10, [[5], [5]])]
+    settings = rl(filter_zero_advantage=True)
+    whole = Collector(FakeSource(groups), settings, n_engines=2)
+    assert [s.group_id for s in whole.next_batch(version=4, timeout_s=5)] == [0, 0, 2, 2]
+    assert not whole.buffer  # between two steps, where the trainer checkpoints
+    state = json.loads(json.dumps(whole.state_dict()))  # as the checkpoint's meta.json holds it
+    restored = Collector(FakeSource(copy.deepcopy(whole.source.groups)), settings, n_engines=2)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == whole.state_dict()
+    for version in (5, 6):
+        ids = [s.group_id for s in whole.next_batch(version, timeout_s=5)]
+        assert [s.group_id for s in restored.next_batch(version, timeout_s=5)] == ids
+        assert restored.state_dict() == whole.state_dict()
+    assert ids == [9, 9, 10, 10]
+    assert restored.counts == whole.counts == CollectorCounts(4, 2, 4, 2, 2)
+    assert restored.stream_next() == {"0": 12, "1": 11}
+
+
+def test_an_older_checkpoint_without_the_newer_counts_restores_them_as_zero():
+    c = Collector(FakeSource([]), rl(), n_engines=1)
+    c.load_state_dict({"dropped_stale": 6, "stream_next": {"0": 9}})
+    assert c.counts.dropped_samples == 6 and c.counts.filtered_samples == 0
+    assert c.stream_next() == {"0": 9}

@@ -69,3 +69,16 @@ def test_unknown_task():
     registered = "addition, chain_sum, guess_number, math, tool_arithmetic, word_problems"
     with pytest.raises(ValueError, match=f"unknown task 'poetry'; registered tasks: {registered}$"):
         make_task(TaskConfig(name="poetry"))
+
+
+def test_a_restored_stream_continues_like_the_uninterrupted_one():
+    task = make_task(AdditionConfig(digits=3))
+    whole = ProblemStream(task, seed=5, offset=1, stride=3)  # one of three consumers
+    for _ in range(4):
+        next(whole)
+    restored = ProblemStream(task, seed=5, offset=1, stride=3)
+    restored.load_state_dict(whole.state_dict())
+    assert restored.state_dict() == whole.state_dict() == {"index": 13}
+    resumed = [next(restored) for _ in range(5)]
+    assert resumed == [next(whole) for _ in range(5)]
+    assert resumed[0] != next(ProblemStream(task, seed=5, offset=1, stride=3))  # not where a fresh stream starts
