@@ -1,12 +1,16 @@
 """Loss, advantages and ESS against hand-computed values."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from pipelinerl_fsdp.config import LossConfig, RLConfig
+from pipelinerl_fsdp.rewards.outcomes import OUTCOME_CODE
 from pipelinerl_fsdp.rl.advantages import group_advantages, is_zero_advantage_group
 from pipelinerl_fsdp.rl.ess import ess_from_sums
+from pipelinerl_fsdp.rl.groups import group_samples
 from pipelinerl_fsdp.rl.loss import LossInput, policy_loss
 from pipelinerl_fsdp.rl.objectives.ppo import PPOConfig
 from pipelinerl_fsdp.rl.objectives.reinforce_tis import ReinforceTISConfig
@@ -175,3 +179,21 @@ def test_lag0_mismatch_sums_count_only_the_current_versions_tokens():
     assert st.lag0_k3 == pytest.approx(k3, rel=1e-5) and st.lag0_abs_log_ratio == pytest.approx(0.3, rel=1e-5)
     _, none = loss_of(logp, behaviour, torch.ones(4), mask, 1.0)
     assert none.lag0_tokens == 0.0  # without versions nothing is taken for lag 0
+
+
+def test_a_group_is_assembled_with_each_attempts_score_and_its_advantage_against_the_group():
+    attempts = [
+        SimpleNamespace(tokens=[5, 6], logprobs=[-0.25, -0.5], versions=[3, 3], finished=True),
+        SimpleNamespace(tokens=[7], logprobs=[-1.0], versions=[4], finished=False),
+    ]
+    scores = [(1.0, "correct"), (0.0, "truncated")]
+    samples = group_samples(7, [1, 2], attempts, scores, RLConfig(), LossConfig(), 16)
+    assert [(s.group_id, s.prompt_ids, s.completion_ids, s.versions) for s in samples] == [
+        (7, [1, 2], [5, 6], [3, 3]),
+        (7, [1, 2], [7], [4]),
+    ]
+    assert [(s.reward, s.advantage, s.finished) for s in samples] == [(1.0, 0.5, True), (0.0, -0.5, False)]
+    assert [s.outcome for s in samples] == [OUTCOME_CODE["correct"], OUTCOME_CODE["truncated"]]
+    assert samples[0].logprobs is attempts[0].logprobs  # no fault: the engine's log-probs as they are
+    shifted = group_samples(7, [1, 2], attempts, scores, RLConfig(baseline="loo"), LossConfig(), 16, 0.25)
+    assert shifted[0].logprobs == [0.0, -0.25] and [s.advantage for s in shifted] == [1.0, -1.0]
