@@ -236,7 +236,7 @@ def parse_config(argv: list[str], variants: Mapping[str, Mapping[str, type]]) ->
         _apply(cfg, _override_as_table(getattr(cfg, parts[0]), parts, raw), "command line")
     sources = [src for _, src in layers] + (["command line"] if overrides else [])
     cfg.source = " + ".join(sources) or "defaults"
-    resolve_defaults(cfg)
+    resolve_defaults(cfg.rl, cfg.loss)
     try:
         check_sections(cfg)
         check_rules(cfg)

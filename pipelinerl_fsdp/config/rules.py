@@ -7,13 +7,14 @@ from pathlib import Path
 
 from pipelinerl_fsdp.config.errors import ConfigError
 from pipelinerl_fsdp.config.schema import Config
+from pipelinerl_fsdp.config.training import LossConfig, RLConfig
 
 
-def resolve_defaults(cfg: Config) -> None:
+def resolve_defaults(rl: RLConfig, loss: LossConfig) -> None:
     """Keys whose default depends on another section, decided once the values are in: `rl.std_normalize` unset
     takes the selected loss's (`LossConfig.advantage_std`)."""
-    if cfg.rl.std_normalize is None:
-        cfg.rl.std_normalize = type(cfg.loss).advantage_std
+    if rl.std_normalize is None:
+        rl.std_normalize = type(loss).advantage_std
 
 
 def check_rules(cfg: Config) -> None:

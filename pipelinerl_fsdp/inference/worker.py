@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from pipelinerl_fsdp.checkpoint_layout import read_meta, resume_point
-from pipelinerl_fsdp.config import Config
+from pipelinerl_fsdp.config import Config, InferenceConfig, LossConfig, RLConfig, TaskConfig, TokenizerConfig
 from pipelinerl_fsdp.inference.engine import Engine, Request
 from pipelinerl_fsdp.inference.evaluator import EngineEvaluator
 from pipelinerl_fsdp.inference.factory import build_engine
@@ -53,48 +53,46 @@ class InferenceWorker:
 
     def __init__(
         self,
-        cfg: Config,
+        rl: RLConfig,
+        loss: LossConfig,
+        task_cfg: TaskConfig,
+        tok: TokenizerConfig,
+        inference: InferenceConfig,
         world: World,
         inputs: JobInputs,
         engine: Engine,
         receiver: WeightReceiver,
         sender: RolloutSender,
+        evaluator: EngineEvaluator,
+        *,
+        seed: int,
+        resume_from: Path | None = None,
     ) -> None:
-        self.cfg, self.world = cfg, world
+        """The loop over its collaborators (built by `run_inference`), reading the sections it needs; `seed`:
+        `job.seed` (the prompt stream's); `resume_from`: the checkpoint the trainer resumes from."""
+        self.rl, self.loss, self.task_cfg, self.tok, self.inference = rl, loss, task_cfg, tok, inference
+        self.world = world
         self.tokenizer, self.stop_ids, self.task = inputs.tokenizer, inputs.stop_ids, inputs.task
         self.scorer = self.task.scorer()
         self.engine, self.receiver, self.sender = engine, receiver, sender
         n_inf = len(world.inference_ranks)
-        self.stream = ProblemStream(self.task, cfg.job.seed, offset=world.inference_index, stride=n_inf)
+        self.stream = ProblemStream(self.task, seed, offset=world.inference_index, stride=n_inf)
         # a group's id is its problem's stream position: unique across engines, and the resume position
         self.groups: dict[int, _Group] = {}
         self._backlog: deque[list[Sample] | EvalReport] = deque()  # scored, not yet in the send queue
         self.stats = EngineStats()  # cumulative; the longest update pause since the last send
         # prompts over task.max_prompt_tokens (tasks that have the key) are skipped and counted
-        self._max_prompt = getattr(cfg.task, "max_prompt_tokens", 0)
+        self._max_prompt = getattr(task_cfg, "max_prompt_tokens", 0)
         self._t0 = time.perf_counter()
         self.stopped = False
-        self.mode = cfg.rl.mode
+        self.mode = rl.mode
         self._staged: int | None = None  # async mode: version received but not loaded yet
         self._pause_ms = 0.0  # the pause of the update being taken, so far (async: staged, then loaded)
         # conventional mode: groups this engine generates per round (the round's groups split over the engines)
-        per_round = cfg.rl.sync_every * cfg.rl.batch_size // cfg.rl.attempts
+        per_round = rl.sync_every * rl.batch_size // rl.attempts
         self._quota = per_round // n_inf + (world.inference_index < per_round % n_inf)
         self._round_left = self._quota
-        self.evaluator = EngineEvaluator(
-            cfg.eval,
-            cfg.tokenizer,
-            self.task,
-            self.tokenizer,
-            world.inference_index,
-            n_inf,
-            final_version=cfg.rl.max_steps,
-            max_new_tokens=cfg.task.max_new_tokens,
-            max_prompt_tokens=self._max_prompt,
-        )
-        resume_from, _ = resume_point(
-            cfg.checkpoint, cfg.job.output_dir
-        )  # the trainer's choice: the same answer from the same folder
+        self.evaluator = evaluator
         if resume_from is not None:
             self._resume(resume_from)
 
@@ -114,7 +112,7 @@ class InferenceWorker:
             return
         maybe_fail(self.world.rank, version, "update")
         t0 = time.perf_counter()  # the pause: from the header on (not the wait for it)
-        self.stats.kv_recomputed += self.engine.load_update(self.receiver, version, self.cfg.inference.kv_max_age)
+        self.stats.kv_recomputed += self.engine.load_update(self.receiver, version, self.inference.kv_max_age)
         self.receiver.post()
         self._add_pause((time.perf_counter() - t0) * 1000, loaded=True)
         self._maybe_evaluate(version)
@@ -195,14 +193,14 @@ class InferenceWorker:
         while True:
             gid = self.stream.get_state()["index"]
             problem = next(self.stream)
-            ids = encode_prompt(self.tokenizer, problem.prompt, self.cfg.tokenizer)
+            ids = encode_prompt(self.tokenizer, problem.prompt, self.tok)
             if not self._max_prompt or len(ids) <= self._max_prompt:
                 break
             self.stats.skipped_prompts += 1
         self.groups[gid] = _Group(problem, ids)
-        for a in range(self.cfg.rl.attempts):
+        for a in range(self.rl.attempts):
             episode = self.task.start_episode(problem.answer)  # None: single-turn
-            self.engine.add(Request(gid * self.cfg.rl.attempts + a, ids, self.cfg.task.max_new_tokens, episode=episode))
+            self.engine.add(Request(gid * self.rl.attempts + a, ids, self.task_cfg.max_new_tokens, episode=episode))
         self._round_left -= 1
 
     def _finish(self, req: Request) -> None:
@@ -211,7 +209,7 @@ class InferenceWorker:
         if self.evaluator.owns(req.request_id):
             self.scorer.submit(req.request_id, text, self.evaluator.gold(req.request_id), req.finished)
             return
-        g = self.groups[req.request_id // self.cfg.rl.attempts]
+        g = self.groups[req.request_id // self.rl.attempts]
         g.done[req.request_id] = req
         self.scorer.submit(req.request_id, text, g.problem.answer, req.finished)
 
@@ -224,10 +222,10 @@ class InferenceWorker:
                 if report is not None:
                     self._send(report)
                 continue
-            gid = rid // self.cfg.rl.attempts
+            gid = rid // self.rl.attempts
             g = self.groups[gid]
             g.scores[rid] = (reward, outcome)
-            if len(g.scores) == self.cfg.rl.attempts:
+            if len(g.scores) == self.rl.attempts:
                 del self.groups[gid]
                 self._send_group(gid, g)
 
@@ -238,9 +236,9 @@ class InferenceWorker:
             g.prompt_ids,
             [g.done[r] for r in rids],
             [g.scores[r] for r in rids],
-            self.cfg.rl,
-            self.cfg.loss,
-            self.cfg.task.max_new_tokens,
+            self.rl,
+            self.loss,
+            self.task_cfg.max_new_tokens,
             logprob_shift(),  # a test's fault: 0.0
         )
         self._send(samples)
@@ -269,7 +267,7 @@ class InferenceWorker:
             self._service_update()
 
     def run(self) -> None:
-        attempts, cap = self.cfg.rl.attempts, self.cfg.inference.max_num_seqs
+        attempts, cap = self.rl.attempts, self.inference.max_num_seqs
         # groups in the engine or waiting for their scores: scoring slower than generation must not let them pile up
         max_groups = 2 * (cap // attempts)
         self._maybe_evaluate(self.engine.version)  # version 0 with eval.at_start (or a resumed run's version)
@@ -311,4 +309,30 @@ def run_inference(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: in
         t = cfg.task
         engine = TurnEngine(engine, inputs.tokenizer, cfg.tokenizer, inputs.stop_ids, t.max_turns, t.turn_tokens)  # type: ignore[attr-defined]
     sender = RolloutSender(world.rollout_group, world.trainer_ranks[0], cfg.inference.max_queued_groups)
-    InferenceWorker(cfg, world, inputs, engine, receiver, sender).run()
+    evaluator = EngineEvaluator(
+        cfg.eval,
+        cfg.tokenizer,
+        inputs.task,
+        inputs.tokenizer,
+        world.inference_index,
+        len(world.inference_ranks),
+        final_version=cfg.rl.max_steps,
+        max_new_tokens=cfg.task.max_new_tokens,
+        max_prompt_tokens=getattr(cfg.task, "max_prompt_tokens", 0),
+    )
+    resume_from, _ = resume_point(cfg.checkpoint, cfg.job.output_dir)  # the trainer's choice, from the same folder
+    InferenceWorker(
+        cfg.rl,
+        cfg.loss,
+        cfg.task,
+        cfg.tokenizer,
+        cfg.inference,
+        world,
+        inputs,
+        engine,
+        receiver,
+        sender,
+        evaluator,
+        seed=cfg.job.seed,
+        resume_from=resume_from,
+    ).run()

@@ -15,7 +15,6 @@ from pipelinerl_fsdp import train
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference import worker as worker_mod
 from pipelinerl_fsdp.inference.engine import Request
-from pipelinerl_fsdp.inference.worker import InferenceWorker
 from pipelinerl_fsdp.job.weight_sync import WeightSyncLayout
 from pipelinerl_fsdp.job_inputs import JobInputs
 from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
@@ -164,13 +163,17 @@ def run_mode(mode: str, *extra: str) -> tuple[FakeEngine, FakeTrainer]:
     task = make_task(cfg.task)
     sync = WeightSyncLayout(engines_on_gpu=False, dtype=torch.float32, workers_join=False, bucket_group_size=2)
     inputs = JobInputs("", "", tok, task, [tok.eos_token_id], 16, 16 + cfg.task.max_new_tokens, sync)
-    world = types.SimpleNamespace(rank=1, inference_index=0, inference_ranks=[1], trainer_ranks=[0])
+    world = types.SimpleNamespace(rank=1, inference_index=0, inference_ranks=[1], trainer_ranks=[0], rollout_group=None)
     engine, receiver = FakeEngine(cfg.inference.max_num_seqs), FakeReceiver()
     trainer = FakeTrainer(
         receiver, cfg.rl.batch_size // cfg.rl.attempts, cfg.rl.sync_every, cfg.rl.max_steps, cfg.eval.every > 0
     )
-    with mock.patch.object(worker_mod, "resume_point", return_value=(None, [])):
-        InferenceWorker(cfg, world, inputs, engine, receiver, trainer).run()  # type: ignore[arg-type]
+    with (
+        mock.patch.object(worker_mod, "resume_point", return_value=(None, [])),
+        mock.patch.object(worker_mod, "build_engine", return_value=(engine, receiver)),
+        mock.patch.object(worker_mod, "RolloutSender", return_value=trainer),
+    ):
+        worker_mod.run_inference(cfg, world, inputs, 0)  # type: ignore[arg-type]
     assert trainer.steps == cfg.rl.max_steps
     return engine, trainer
 
