@@ -175,7 +175,8 @@ def test_the_docs_metric_example_counts_sends_and_logs_the_new_number(tmp_path):
     for c in code:
         apply_insertion(tmp_path, c)
     env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(root / "tests" / "unit"), str(root / "tests")])
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(tmp_path), str(root / "tests" / "unit" / "inference"), str(root / "tests")]),
     )
     r = subprocess.run(  # in the copy's folder: the interpreter looks there first
         [sys.executable, "-c", METRIC_CHECK], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300

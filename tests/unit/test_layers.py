@@ -177,3 +177,13 @@ def test_no_two_units_import_each_other():
     edges = {(unit(a), unit(b)) for a, bs in import_graph().items() for b in bs if unit(a) != unit(b)}
     mutual = sorted({tuple(sorted(e)) for e in edges if (e[1], e[0]) in edges})
     assert mutual == [], f"units that import each other: {mutual}"
+
+
+def test_the_unit_tests_mirror_the_package():
+    """A unit test lives in the folder of the package it tests (tests/unit/rl/ for pipelinerl_fsdp/rl/, ...); the
+    top level holds tests of top-level modules and of the repository (layers, launchers, benchmarks)."""
+    tests = Path(__file__).resolve().parent
+    packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders <= packages, f"test folders without a package: {sorted(folders - packages)}"
+    assert all(list(tests.glob(f"{f}/test_*.py")) for f in folders), "an empty test folder"

@@ -31,7 +31,7 @@ from pipelinerl_fsdp.tools.sandbox import (
 )
 
 LIMITS = ToolLimits(timeout_s=2.0, memory_mb=256, max_output_bytes=4096)
-ROOT = Path(__file__).resolve().parents[2]  # the project's files: never visible to a tool
+ROOT = Path(__file__).resolve().parents[3]  # the project's files: never visible to a tool
 
 
 def run_all(runner: ToolRunner, calls: dict[str, str], budget_s: float = 60.0) -> tuple[dict[str, ToolResult], float]:

@@ -24,7 +24,7 @@ from pipelinerl_fsdp.training.collector import Collector
 from pipelinerl_fsdp.transport import weights
 from pipelinerl_fsdp.transport.rollouts import scatter_samples
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from pipelinerl_fsdp.data.fields import field_spec, gold_from, problem_fields
 from pipelinerl_fsdp.data.files import DataError, Record, read_records
 from pipelinerl_fsdp.tasks import ProblemStream, make_task
 
-DATA = Path(__file__).resolve().parents[2] / "data" / "math"
+DATA = Path(__file__).resolve().parents[3] / "data" / "math"
 
 
 def math_task(tmp_path: Path, *args: str):

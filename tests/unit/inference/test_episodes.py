@@ -308,7 +308,7 @@ def test_the_docs_environment_example_registers_and_runs_its_episodes(monkeypatc
     from pipelinerl_fsdp.tasks import base
 
     monkeypatch.setattr(base, "TASKS", dict(base.TASKS))  # the example's registration stays in this test
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "extending.md").read_text()
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "extending.md").read_text()
     (code,) = [
         c for c in re.findall(r"```python\n(.*?)```", doc, re.S) if c.startswith("# pipelinerl_fsdp/tasks/count")
     ]

@@ -104,7 +104,7 @@ def test_a_save_that_cannot_write_names_the_folder_and_keeps_the_previous_checkp
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     r = subprocess.run(
         [sys.executable, "-c", FULL_DISK_SAVE, str(tmp_path)],
         env={**os.environ, "PYTHONPATH": str(root)},
