@@ -82,6 +82,12 @@ class Task(ABC):
     def multi_turn(self) -> bool:
         return type(self).start_episode is not Task.start_episode
 
+    def problem_id(self, problem: Problem) -> str:
+        """What tells two problems apart (the held-out split against the training stream, the warm start's record
+        of what it held out): the prompt; for an environment the prompt and the hidden state its episodes start
+        from (`answer`), since one opening prompt may start many games (the same range, another hidden number)."""
+        return f"{problem.prompt}\0{problem.answer}" if self.multi_turn else problem.prompt
+
     def supervised_turns(self, problem: Problem) -> list[str]:
         """The reference solution as turns, model turn first, then environment and model turns alternating (the
         warm start trains on the model's turns only, each ended by the stop token): one turn for single-turn."""
@@ -125,21 +131,21 @@ class GeneratedTask(Task):
     def __init__(self, cfg: TaskConfig) -> None:
         super().__init__(cfg)
         self._eval: list[Problem] | None = None
-        self._eval_prompts: set[str] = set()
+        self._eval_ids: set[str] = set()
 
     @abstractmethod
     def sample(self, rng: random.Random) -> Problem:
         """One random problem."""
 
     def eval_split(self) -> list[Problem]:
-        """Fixed by (eval_seed, eval_size), distinct prompts."""
+        """Fixed by (eval_seed, eval_size), distinct problems (`problem_id`)."""
         if self._eval is None:
             rng = random.Random(f"eval:{self.name}:{self.cfg.eval_seed}")
             seen: dict[str, Problem] = {}
             tries = 0
             while len(seen) < self.cfg.eval_size:
                 p = self.sample(rng)
-                seen.setdefault(p.prompt, p)
+                seen.setdefault(self.problem_id(p), p)
                 tries += 1
                 if tries > 100 * self.cfg.eval_size:
                     raise ValueError(
@@ -147,16 +153,20 @@ class GeneratedTask(Task):
                         "(task.eval_size is larger than the task's problem space allows)"
                     )
             self._eval = list(seen.values())
-            self._eval_prompts = set(seen)
+            self._eval_ids = set(seen)
         return self._eval
 
     def train_problem(self, seed: int, index: int) -> Problem:
         self.eval_split()
         rng = random.Random(f"train:{self.name}:{seed}:{index}")
-        while True:
+        for _ in range(1000 * max(1, len(self._eval_ids))):
             p = self.sample(rng)
-            if p.prompt not in self._eval_prompts:
+            if self.problem_id(p) not in self._eval_ids:
                 return p
+        raise ValueError(
+            f"task {self.name}: no training problem outside the held-out split (task.eval_size = "
+            f"{len(self._eval_ids)} holds out every problem the task's keys allow)"
+        )
 
 
 TASKS: dict[str, type[Task]] = {}

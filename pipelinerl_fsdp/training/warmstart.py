@@ -46,8 +46,9 @@ HELD_OUT_FILE = "held_out.json"
 
 
 def held_out_fingerprints(task: Task) -> list[str]:
-    """Short hashes of the prompts of the task's held-out split (those its training streams never draw)."""
-    return sorted({hashlib.sha256(p.prompt.encode()).hexdigest()[:16] for p in task.eval_split()})
+    """Short hashes of the task's held-out problems (`Task.problem_id`: the prompt, with an environment's hidden
+    state), those its training streams never draw."""
+    return sorted({hashlib.sha256(task.problem_id(p).encode()).hexdigest()[:16] for p in task.eval_split()})
 
 
 def held_out_problem(folder: Path, task: Task) -> str | None:
