@@ -49,6 +49,15 @@ class Episode:
         reply, self._reply = self._reply, None
         return reply
 
+    def would_reply(self, turn: str, finished: bool) -> bool:
+        """Whether the environment would answer `turn` (the episode would go on), asked instead of `submit` of a
+        turn that ends the episode at `max_turns` or at the token budget: such an episode is then cut short
+        (truncated, not finished). By default `respond`'s answer (False for an environment that implements only
+        `submit`/`poll`: it overrides this to tell, without running anything, as a tool-calling one does)."""
+        if type(self).respond is Episode.respond:
+            return False
+        return self.respond(turn, finished).text is not None
+
     def close(self) -> None:
         """Release what the episode holds (a running tool call): called when the episode ends or is dropped."""
 

@@ -14,7 +14,10 @@ whole history at each turn under the weights of that moment (docs/vllm.md). In-f
 The environment's reply is polled between engine steps and never waited for (a tool runs in its own process,
 tools/sandbox.py), so a slow tool stalls only its own episode. Limits: `max_turns` model turns, `turn_tokens` per
 model turn, and the request's `max_tokens` for the whole rollout after the prompt (model and environment tokens:
-the episode's token budget, checked against the trainer's micro-batch at start-up like any completion's).
+the episode's token budget, checked against the trainer's micro-batch at start-up like any completion's). An
+episode is finished (`Request.finished`) when the environment ended it after a turn that ended on its stop token;
+one cut by a limit while the environment would still answer (`Episode.would_reply`) is truncated, like a
+completion cut at its budget (overlong filtering, `truncated_frac`).
 """
 
 from __future__ import annotations
@@ -111,6 +114,8 @@ class TurnEngine(Engine):
             text = completion_text(self.tokenizer, r.tokens, self.stop_ids)
             ep.segments.append(text)
             if ep.turns >= self.max_turns or len(req.tokens) >= req.max_tokens:
+                # cut with a turn the environment would answer: the episode did not finish, it was truncated
+                req.finished = r.finished and not ep.episode.would_reply(text, r.finished)
                 done.append(self._end(ep))
             else:
                 ep.episode.submit(text, r.finished)

@@ -71,8 +71,11 @@ class ToolEpisode(Episode):
         self._calls = 0
         self._waiting: tuple[int, int] | None = None  # the call in flight: (episode, call number)
 
+    def would_reply(self, turn: str, finished: bool) -> bool:
+        return finished and turn.startswith(CALL)  # a tool call, not run: the episode ends there, cut short
+
     def submit(self, turn: str, finished: bool) -> None:
-        if not (finished and turn.startswith(CALL)):
+        if not self.would_reply(turn, finished):
             self._reply = Reply(None)  # the final answer (or a turn cut at its budget): the episode ends
             return
         key = (self.call_id, self._calls)

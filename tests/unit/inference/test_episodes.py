@@ -17,7 +17,7 @@ from pipelinerl_fsdp.inference.turns import TURN_RID_BASE, TurnEngine, scored_te
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.samples import ENV_VERSION
 from pipelinerl_fsdp.tasks.guess_number import GuessEpisode, GuessNumber, GuessNumberConfig, bisection_bound
-from pipelinerl_fsdp.tasks.tool_arithmetic import ToolArithmetic, ToolArithmeticConfig
+from pipelinerl_fsdp.tasks.tool_arithmetic import ToolArithmetic, ToolArithmeticConfig, ToolEpisode
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer, encode_prompt
 from pipelinerl_fsdp.training.warmstart import encode_supervised
 
@@ -147,7 +147,11 @@ def test_turn_engine_continues_the_sequence_with_environment_tokens_masked_and_i
     for (_, b), (c, _) in zip(spans, spans[1:]):
         assert r.tokens[b:c] == env_ids and r.versions[b:c] == [ENV_VERSION] * 2 and r.logprobs[b:c] == [0.0] * 2
     texts = [scored_text(tok, Request(9, [], 1, tokens=r.tokens[a:b]), [tok.eos_token_id]) for a, b in spans]
-    assert ep.seen == texts[:2]  # the environment saw each turn's text before the stop token
+    # the environment saw each turn's text before the stop token; the third, cut by max_turns, only when it ended
+    # on its stop token (asked whether it would answer it: it would, so the episode is cut short)
+    last_stopped = r.tokens[-1] == tok.eos_token_id
+    assert ep.seen == texts[: 2 + last_stopped]
+    assert not r.finished
     assert r.transcript == "ab".join(texts)
     assert len(r.tokens) == len(r.logprobs) == len(r.versions) <= 40
     # every sampled token's log-prob is the model's on the whole sequence, as the trainer will score it
@@ -283,6 +287,46 @@ def test_a_tool_call_gives_its_outcome_within_its_deadline_while_the_engine_keep
     assert task.reward(episode.transcript, "102") == 1.0
     if outcome == "tool_timeout":  # the single-turn request was not held up while the tool hung
         assert done[1][2] < done[0][2]
+
+
+@pytest.mark.parametrize(
+    "max_turns, max_tokens, env_turns, finished",
+    [
+        (2, 40, 5, False),  # max_turns reached on a turn the environment would answer: truncated
+        (2, 40, 2, True),  # ... on the turn that ends it: finished
+        (5, 3, 5, False),  # the budget used up by a finished turn the environment would answer
+        (5, 3, 1, True),  # ... that ends it
+    ],
+)
+def test_an_episode_cut_by_a_limit_is_finished_only_if_its_environment_was_done(
+    engine_parts, max_turns, max_tokens, env_turns, finished
+):
+    tok, _ = engine_parts
+    engine = TurnEngine(_Scripted(tok, ["ab"] * 5, 1), tok, TokenizerConfig(), [tok.eos_token_id], max_turns, 4)
+    engine.add(Request(0, [3], max_tokens, episode=_Counting(env_turns)))
+    (r,) = [x for _ in range(20) for x in engine.step()]
+    assert r.turns == min(max_turns, max_tokens // 3) and r.finished is finished
+
+
+def test_a_tool_call_left_unanswered_at_max_turns_is_not_run_and_cuts_the_episode_short():
+    class _Calls:  # the episode's tool mailbox: records what it is asked to run
+        def __init__(self) -> None:
+            self.submitted: list[str] = []
+
+        def submit(self, key, code: str) -> None:
+            self.submitted.append(code)
+
+    tok = build_char_tokenizer(ToolArithmetic.alphabet)
+    engine = TurnEngine(_Scripted(tok, ["C:1+2"], 1), tok, TokenizerConfig(), [tok.eos_token_id], 1, 40)
+    calls = _Calls()
+    episode = ToolEpisode(calls, 0)
+    engine.add(Request(0, tok("1+2=", add_special_tokens=False)["input_ids"], 100, episode=episode))
+    (r,) = [x for _ in range(5) for x in engine.step()]
+    assert r.transcript == "C:1+2" and not r.finished
+    assert calls.submitted == [] and not engine.tool_outcomes  # the call was not run
+    assert not episode.would_reply("A:3", True) and not episode.would_reply("C:1+2", False)
+    episode.submit("C:1+2", True)
+    assert calls.submitted == ["print(1+2)"]
 
 
 def test_tool_arithmetic_reference_transcripts_call_the_tool_or_work_the_sum():
