@@ -1,5 +1,5 @@
-"""What the launch scripts need from the config before torchrun starts (the config checked on the way, so that a
-bad key fails here, in one process, with its name):
+"""What the launch scripts need from the config before torchrun starts (the config and the task's data files
+checked on the way, so that a bad key or file fails here, in one process, with its name):
 
     python -m pipelinerl_fsdp.launch max-restarts [--config NAME] [--section.key=value ...]
 """
@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 
 from pipelinerl_fsdp.config import ConfigError
-from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.configure import load_config, named_source
+from pipelinerl_fsdp.tasks import task_class
 
 QUERIES = {"max-restarts": lambda cfg: cfg.job.max_restarts}
 
@@ -20,6 +21,8 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         cfg = load_config(argv[1:])
+        with named_source(cfg.source):  # the task's data files too: a bad one is named here, in seconds
+            task_class(cfg.task.name).check_files(cfg.task)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

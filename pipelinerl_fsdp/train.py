@@ -71,6 +71,11 @@ def bind_cpu_cores(job: JobConfig, inference: InferenceConfig, world: World) -> 
 
 
 def run(cfg: Config) -> None:
+    from pipelinerl_fsdp.tasks import task_class
+
+    # every rank, before the world forms: a bad data file fails them all at once (the warm start reads it on the
+    # trainer ranks only, while the others wait for it)
+    task_class(cfg.task.name).check_files(cfg.task)
     if cfg.job.stage == "rl" and cfg.rl.mode == "colocated":  # one process, no torchrun world
         from pipelinerl_fsdp.training.colocated import run_colocated
 

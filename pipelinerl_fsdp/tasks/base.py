@@ -45,6 +45,13 @@ class Task(ABC):
     def __init__(self, cfg: TaskConfig) -> None:
         self.cfg = cfg
 
+    @classmethod
+    def check_files(cls, cfg: TaskConfig) -> None:
+        """Check the files the task reads, without loading it (a `ConfigError` naming the key and the file): run
+        before the job starts any process, so that a missing or malformed data file is reported in seconds. A
+        task that reads none has nothing to check."""
+        return None
+
     @abstractmethod
     def train_problem(self, seed: int, index: int) -> Problem:
         """Training problem number `index` of the stream `seed`: deterministic, never in the eval split."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from pipelinerl_fsdp.config import ConfigError, TaskConfig
-from pipelinerl_fsdp.data.fields import ANSWER_FORMATS, PRESETS, field_spec, problem_fields
+from pipelinerl_fsdp.data.fields import ANSWER_FORMATS, PRESETS, FieldSpec, field_spec, problem_fields
 from pipelinerl_fsdp.data.files import DataError, read_records
 from pipelinerl_fsdp.rewards.pool import RewardPool
 from pipelinerl_fsdp.rewards.scorer import PoolScorer, Scorer
@@ -94,30 +94,17 @@ class MathTask(Task):
         self._orders: dict[tuple[int, int], list[int]] = {}
 
     def _load(self, files: list[str], key: str) -> list[Problem]:
-        check_gold = self.cfg.reward == "math_verify"
-        out: list[Problem] = []
-        for f in files:
-            try:
-                records = read_records(f)
-            except DataError as e:
-                raise ConfigError(f"{key}: {e}") from None
-            for r in records:
-                got = problem_fields(r, self.spec)
-                if isinstance(got, tuple) and check_gold and not _gold_parses(got[1]):
-                    got = f"gold answer {got[1]!r} cannot be parsed by math-verify"
-                if isinstance(got, str):
-                    if self.cfg.on_bad_record == "error":
-                        raise ConfigError(
-                            f"{r.where}: {got} (preset {self.cfg.preset!r}; set task.on_bad_record = "
-                            "'skip' to skip such records)"
-                        )
-                    self.skipped[got] += 1
-                    continue
-                question, gold, solution = got
-                out.append(Problem(self.cfg.prompt_template.format(question=question), gold, solution))
-        if not out:
-            raise ConfigError(f"{key}: no usable problems in {', '.join(files)}")
-        return out
+        return read_problems(self.cfg, self.spec, files, key, self.skipped, check_gold=self.cfg.reward == "math_verify")
+
+    @classmethod
+    def check_files(cls, cfg: TaskConfig) -> None:
+        """Every data file exists, parses and has usable records (the fields the preset or the keys name), checked
+        without math-verify's parse of each gold answer (the slow part of loading, left to the task's start)."""
+        assert isinstance(cfg, MathConfig)
+        spec = field_spec(cfg.preset, cfg.question_field, cfg.answer_field, cfg.answer_format, cfg.solution_field)
+        read_problems(cfg, spec, cfg.train_files, "task.train_files", Counter(), check_gold=False)
+        for f in cfg.eval_files:
+            read_problems(cfg, spec, [f], "task.eval_files", Counter(), check_gold=False)
 
     @property
     def reward_path(self) -> str:
@@ -163,6 +150,36 @@ class MathTask(Task):
 
     def prompts_to_check(self) -> list[str]:
         return [p.prompt for p in self.train + self._eval]
+
+
+def read_problems(
+    cfg: MathConfig, spec: FieldSpec, files: list[str], key: str, skipped: Counter[str], *, check_gold: bool
+) -> list[Problem]:
+    """The problems of `files` (config key `key`), a bad record an error naming it or counted into `skipped`
+    (`task.on_bad_record`); `check_gold`: a gold answer math-verify cannot parse is a bad record."""
+    out: list[Problem] = []
+    for f in files:
+        try:
+            records = read_records(f)
+        except DataError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        for r in records:
+            got = problem_fields(r, spec)
+            if isinstance(got, tuple) and check_gold and not _gold_parses(got[1]):
+                got = f"gold answer {got[1]!r} cannot be parsed by math-verify"
+            if isinstance(got, str):
+                if cfg.on_bad_record == "error":
+                    raise ConfigError(
+                        f"{r.where}: {got} (preset {cfg.preset!r}; set task.on_bad_record = 'skip' to skip such "
+                        "records)"
+                    )
+                skipped[got] += 1
+                continue
+            question, gold, solution = got
+            out.append(Problem(cfg.prompt_template.format(question=question), gold, solution))
+    if not out:
+        raise ConfigError(f"{key}: no usable problems in {', '.join(files)}")
+    return out
 
 
 def _gold_parses(gold: str) -> bool:

@@ -224,3 +224,38 @@ def test_resume_from_a_missing_or_partial_checkpoint_is_a_config_error(tmp_path)
         resume_point(*_ck(load_config([f"--checkpoint.resume_from={tmp_path}/step-0000002"])))
     with pytest.raises(ConfigError, match=r"checkpoint\.resume = 'required' but .* holds no intact checkpoint"):
         resume_point(*_ck(load_config(["--checkpoint.resume=required", f"--checkpoint.folder={tmp_path}"])))
+
+
+@pytest.mark.parametrize(
+    "content, named",
+    [
+        (None, "no such file"),
+        ('{"question": \n', "invalid JSON"),
+        ('{"question": "2+2?"}\n', "missing field 'answer'"),
+        ("", "no records"),
+    ],
+)
+def test_a_bad_data_file_is_named_before_any_rank_starts(tmp_path, capsys, monkeypatch, content, named):
+    """The launcher's config check reads the math task's files (`Task.check_files`) before torchrun starts, and
+    every rank checks them before the world forms: a missing, malformed or field-less file is a config error
+    naming it in seconds (it was named after ~34 s, by the warm start's rank, the other rank waiting on it)."""
+    import time
+
+    from pipelinerl_fsdp import launch, train
+
+    path = tmp_path / "train.jsonl"
+    if content is not None:
+        path.write_text(content)
+    args = ["--config", "math_tiny_cpu", f"--task.train_files=['{path}']", f"--job.output_dir={tmp_path / 'out'}"]
+    t0 = time.perf_counter()
+    assert launch.main(["max-restarts", *args]) == 2
+    assert time.perf_counter() - t0 < 5
+    err = capsys.readouterr().err
+    assert f"{path}" in err and named in err and "command line" in err
+
+    def no_world(cfg):
+        raise AssertionError("the world formed before the data files were checked")
+
+    monkeypatch.setattr(train, "init_world", no_world)
+    with pytest.raises(ConfigError, match=named):
+        train.run(load_config(args))
