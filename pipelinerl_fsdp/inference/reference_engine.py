@@ -15,7 +15,9 @@ Multi-turn episodes (inference/turns.py) keep their cache between turns: a finis
 environment answers), and the request of the next turn (`continues` naming it) gets them back and prefills only the
 tokens after them (the last sampled token and the environment's reply). The kept cache is an in-flight sequence's
 cache like any other: an update recomputes it by the same `kv_max_age` rule (the next turn then prefills the whole
-history afresh).
+history afresh). Kept caches are device memory beside the slot cache, bounded: they hold `max_parked_tokens` tokens
+in all at most (by default as many as the slot cache, `max_num_seqs` x `max_len`); parking one more drops the
+oldest first, and the episode of a dropped cache prefills its whole history at its next turn.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class ReferenceEngine(Engine):
         temperature: float,
         top_p: float = 1.0,
         seed: int = 0,
+        max_parked_tokens: int | None = None,
     ) -> None:
         self.model = model.eval()
         p = next(model.parameters())
@@ -91,7 +94,9 @@ class ReferenceEngine(Engine):
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.generated_tokens, self.busy_s, self.seq_s = 0, 0.0, 0.0
         self.prefill_tokens = 0  # tokens run through a prefill or an extension (a kept cache saves them)
-        self.parked: dict[int, _Parked] = {}  # request id -> its kept cache (`Request.keep_cache`)
+        self.parked: dict[int, _Parked] = {}  # request id -> its kept cache (`Request.keep_cache`), oldest first
+        self.max_parked_tokens = max_num_seqs * max_len if max_parked_tokens is None else max_parked_tokens
+        self.parked_dropped = 0  # kept caches dropped to stay within max_parked_tokens
         self._staging: dict[str, torch.Tensor] | None = None  # async mode: a received, not yet loaded update
 
     @property
@@ -174,13 +179,21 @@ class ReferenceEngine(Engine):
         for r in done:
             if r.keep_cache:
                 k, v = self.cache.park(r.slot)
-                self.parked[r.request_id] = _Parked(r.prompt_ids + r.tokens[:-1], k, v, r.kv_version)
+                self._park(r.request_id, _Parked(r.prompt_ids + r.tokens[:-1], k, v, r.kv_version))
             self._release(r)
         self.generated_tokens += len(reqs)
         took = time.perf_counter() - t0
         self.busy_s += took
         self.seq_s += len(reqs) * took
         return done
+
+    def _park(self, request_id: int, parked: _Parked) -> None:
+        """Keep `parked`, dropping the oldest kept caches while they hold more than `max_parked_tokens` tokens."""
+        self.parked[request_id] = parked
+        held = sum(len(p.ids) for p in self.parked.values())
+        while held > self.max_parked_tokens:
+            held -= len(self.parked.pop(next(iter(self.parked))).ids)
+            self.parked_dropped += 1
 
     def _kept_cache(self, r: Request) -> _Parked | None:
         """The parked cache `r` continues, when there is one and it holds a prefix of r's prompt."""

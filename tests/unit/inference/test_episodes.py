@@ -164,6 +164,35 @@ def test_turn_engine_continues_the_sequence_with_environment_tokens_masked_and_i
     assert not inner.parked
 
 
+def test_kept_caches_stay_within_their_budget_and_a_dropped_one_is_prefilled_again(engine_parts):
+    """Three finished turns keep their caches under a budget that holds two: the oldest is dropped. The next turn
+    of a kept one prefills only its new tokens; the dropped one's prefills its whole history, and both sample with
+    the log-probs of the model over the whole sequence."""
+    tok, model = engine_parts
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("abcd", "bcda", "cdab")]
+    engine = ReferenceEngine(model, 4, 64, [tok.eos_token_id], 1.0, seed=0, max_parked_tokens=2 * (4 + 3 - 1))
+    assert ReferenceEngine(model, 4, 64, [tok.eos_token_id], 1.0).max_parked_tokens == 4 * 64  # the slot cache's
+    for i, p in enumerate(prompts):
+        first = Request(i, p, 3)
+        first.keep_cache = True
+        engine.add(first)
+        done = [r for _ in range(10) for r in engine.step()]
+        assert [r.request_id for r in done] == [i]
+        prompts[i] = p + done[0].tokens  # the history the next turn continues
+    assert list(engine.parked) == [1, 2] and engine.parked_dropped == 1
+    assert sum(len(x.ids) for x in engine.parked.values()) <= engine.max_parked_tokens
+    for i, prefilled in [(2, 1), (0, len(prompts[0]))]:  # kept: the last sampled token; dropped: everything
+        nxt = Request(10 + i, prompts[i], 2)
+        nxt.continues = i
+        engine.add(nxt)
+        before = engine.prefill_tokens
+        (r,) = [x for _ in range(10) for x in engine.step()]
+        assert engine.prefill_tokens - before == prefilled
+        full = full_logprobs(model, prompts[i], r.tokens, 1.0)
+        assert torch.allclose(torch.tensor(r.logprobs), full, atol=1e-4)
+    assert list(engine.parked) == [1]
+
+
 class _NoBuckets:
     """A weight receiver whose update the test already loaded into the engine."""
 
