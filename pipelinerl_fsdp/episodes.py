@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from pipelinerl_fsdp.config import TokenizerConfig
+from pipelinerl_fsdp.config import ConfigError, TokenizerConfig
 from pipelinerl_fsdp.samples import ENV_VERSION
 
 
@@ -62,29 +62,72 @@ class Episode:
         """Release what the episode holds (a running tool call): called when the episode ends or is dropped."""
 
 
+class ChatTemplateError(ConfigError):
+    """The chat template cannot frame an environment turn (`check_env_template` names it at start-up)."""
+
+
 def env_turn_ids(tokenizer: PreTrainedTokenizerBase, text: str, fmt: TokenizerConfig) -> list[int]:
     """Token ids of an environment turn, appended right after a model turn that ended on its stop token.
 
     Plain prompts (`tokenizer.use_chat_template = false`): the text's ids. With the chat template: the ids the
-    template puts between the model's stop token and the next assistant turn's first token: what follows the stop
-    token in a finished assistant turn (e.g. a newline), the user turn holding `text`, and the generation prompt,
+    template puts between the model's stop token and the next assistant turn's first token: what follows the end
+    token of a finished assistant turn (e.g. a newline), the user turn holding `text`, and the generation prompt,
     taken from the template itself so that the conversation's ids equal the template's (tests/unit/
-    test_episodes.py)."""
+    test_episodes.py). A template that renders an earlier assistant turn differently once a user turn follows it
+    (Qwen3's drops the thinking block) is fine: the model's turns stay as sampled, and only what follows an
+    assistant turn's end token is taken from the template's rendering of the conversation."""
     if not fmt.use_chat_template:
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    kw = fmt.chat_template_kwargs
-    before = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
-    base = _ids(tokenizer.apply_chat_template(before, tokenize=True, add_generation_prompt=False, **kw))
-    full = _ids(
-        tokenizer.apply_chat_template(
-            [*before, {"role": "user", "content": text}], tokenize=True, add_generation_prompt=True, **kw
-        )
-    )
-    if full[: len(base)] != base:
-        raise ValueError("the chat template renders an earlier turn differently once a user turn follows it")
+    user = [{"role": "user", "content": "a"}]
+    before = [*user, {"role": "assistant", "content": "b"}]
+    base = _render(tokenizer, before, False, fmt)
+    full = _render(tokenizer, [*before, {"role": "user", "content": text}], True, fmt)
     stops = {tokenizer.eos_token_id, *(tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens)}
-    last_stop = max((i for i, t in enumerate(base) if t in stops), default=len(base) - 1)
-    return base[last_stop + 1 :] + full[len(base) :]
+    if full[: len(base)] == base:  # the history renders as it was: the end of `base`, then the rest of `full`
+        last_stop = max((i for i, t in enumerate(base) if t in stops), default=len(base) - 1)
+        return base[last_stop + 1 :] + full[len(base) :]
+    opening = _render(tokenizer, user, False, fmt)
+    if base[: len(opening)] != opening or full[: len(opening)] != opening:
+        raise ChatTemplateError(
+            "tokenizer.use_chat_template: the chat template renders the first user turn differently once other "
+            "turns follow it, so an environment turn's ids cannot be taken from it"
+        )
+    # the assistant turn's end token: the last special token of `base` (after the opening user turn); in `full`,
+    # where the history's assistant turn is rendered anew, the environment turn starts after its first one
+    ends = [i for i in range(len(opening), len(base)) if base[i] in stops]
+    k = next((i for i in range(len(opening), len(full)) if ends and full[i] == base[ends[-1]]), None)
+    if k is None:
+        raise ChatTemplateError(
+            "tokenizer.use_chat_template: the chat template renders an earlier assistant turn differently once a "
+            "user turn follows it, and ends an assistant turn with no special token to find where the next turn "
+            "starts"
+        )
+    return full[k + 1 :]
+
+
+def check_env_template(tokenizer: PreTrainedTokenizerBase, fmt: TokenizerConfig) -> None:
+    """At start-up, before any episode: the chat template frames an environment turn (`env_turn_ids`), or a
+    `ChatTemplateError` says why not."""
+    if not fmt.use_chat_template:
+        return
+    ids = env_turn_ids(tokenizer, "ok", fmt)
+    if not ids:
+        raise ChatTemplateError("tokenizer.use_chat_template: the chat template gives an environment turn no ids")
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], generation: bool, fmt: TokenizerConfig
+) -> list[int]:
+    try:
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=generation, **fmt.chat_template_kwargs
+        )
+    except Exception as e:  # a template error (jinja's, or the template's raise_exception) names the template
+        raise ChatTemplateError(
+            f"tokenizer.use_chat_template: the chat template cannot render a conversation of turns "
+            f"({type(e).__name__}: {e})"
+        ) from None
+    return _ids(out)
 
 
 def _ids(x: object) -> list[int]:

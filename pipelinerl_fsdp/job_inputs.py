@@ -1,7 +1,7 @@
-"""What every role of the RL stage shares, built once per rank before any engine starts: the tokenizer, the task,
-the ids that end a completion, the sequence limits (checked against the config and the model folder) and the
-layout of the weight sync. The trainer, the inference loop and the engine factory take these instead of deciding
-them each on their own."""
+"""What every role of the RL stage shares, built once per rank before any engine starts: the tokenizer, the task
+(an environment's chat template checked to frame its turns), the ids that end a completion, the sequence limits
+(checked against the config and the model folder) and the layout of the weight sync. The trainer, the inference
+loop and the engine factory take these instead of deciding them each on their own."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pipelinerl_fsdp.checkpoint_layout import resume_point
 from pipelinerl_fsdp.config import Config
+from pipelinerl_fsdp.episodes import check_env_template
 from pipelinerl_fsdp.job.weight_sync import WeightSyncLayout, weight_sync_layout
 from pipelinerl_fsdp.job.world import World
 from pipelinerl_fsdp.models.hf_io import read_model_args
@@ -48,6 +49,8 @@ def build_job_inputs(cfg: Config, model_path: str | Path, world: World) -> JobIn
     tokenizer = load_tokenizer(folder)
     task = make_task(cfg.task)
     check_environment(cfg.task, task)
+    if task.multi_turn:  # before any episode: the chat template must frame an environment turn
+        check_env_template(tokenizer, cfg.tokenizer)
     prompt_len, total = sequence_limits(cfg.tokenizer, cfg.task, task, tokenizer)
     check_limits(cfg.trainer, cfg.inference, cfg.task, prompt_len, total)
     check_vocab(read_model_args(model_path).vocab_size, tokenizer, f"model folder {model_path}")

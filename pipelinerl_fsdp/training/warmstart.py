@@ -29,7 +29,7 @@ from pipelinerl_fsdp.config import (
     TrainerConfig,
     WarmstartConfig,
 )
-from pipelinerl_fsdp.episodes import env_turn_ids
+from pipelinerl_fsdp.episodes import check_env_template, env_turn_ids
 from pipelinerl_fsdp.job.world import World
 from pipelinerl_fsdp.models import Transformer, build_model, flavour_args, load_hf_model, save_hf_folder
 from pipelinerl_fsdp.preflight import check_sequence_budget, check_vocab, stop_token_ids
@@ -262,6 +262,8 @@ def run_warmstart(cfg: Config, world: World) -> Path:
         return out
 
     tokenizer = initial_tokenizer(cfg.tokenizer, cfg.model, task)
+    if task.multi_turn:
+        check_env_template(tokenizer, cfg.tokenizer)
     _check_generation_budget(task, tokenizer, cfg.tokenizer, cfg.job.seed)
     check_sequence_budget(cfg.trainer, cfg.inference, cfg.tokenizer, cfg.task, task, tokenizer)
     model = initial_model(cfg.model, cfg.job.seed, tokenizer)

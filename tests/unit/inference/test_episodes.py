@@ -10,10 +10,12 @@ import torch
 
 from kv_reference import full_logprobs, logprobs_old_kv_then_new
 from pipelinerl_fsdp.config import TokenizerConfig
-from pipelinerl_fsdp.episodes import Episode, Reply, env_turn_ids, turn_spans
+from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.episodes import ChatTemplateError, Episode, Reply, check_env_template, env_turn_ids, turn_spans
 from pipelinerl_fsdp.inference.engine import Engine, Request
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
 from pipelinerl_fsdp.inference.turns import TURN_RID_BASE, TurnEngine, scored_text
+from pipelinerl_fsdp.job_inputs import build_job_inputs
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.samples import ENV_VERSION
 from pipelinerl_fsdp.tasks.guess_number import GuessEpisode, GuessNumber, GuessNumberConfig, bisection_bound
@@ -88,6 +90,79 @@ def test_a_conversation_of_turn_ids_equals_the_chat_templates_ids():
     assert ids == expected[: len(ids)] and expected[len(ids) :] == tok("\n", add_special_tokens=False)["input_ids"]
     plain = TokenizerConfig()
     assert env_turn_ids(tok, ">\n", plain) == tok(">\n", add_special_tokens=False)["input_ids"]
+
+
+# Qwen3's way with history: the latest assistant turn is rendered as given (an empty thinking block added when it
+# has none), an assistant turn that a user turn follows loses its thinking block
+THINKING = (
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' %}"
+    "{% if loop.index0 < ns.last %}{% set c = c.split('</think>')[-1] %}"
+    "{% elif '</think>' not in c %}{% set c = '<think></think>' + c %}{% endif %}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ c }}<|endoftext|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _rendered(tok, conversation, generation: bool = False) -> list[int]:
+    out = tok.apply_chat_template(conversation, tokenize=True, add_generation_prompt=generation)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _template_tokenizer(template: str):
+    tok = build_char_tokenizer("abcdefghijklmnopqrstuvwxyz<>|_/0123456789\n ")
+    tok.chat_template = template
+    return tok
+
+
+def test_a_template_that_rewrites_earlier_assistant_turns_frames_environment_turns():
+    """A Qwen3-style template (an earlier assistant turn loses its thinking block once a user turn follows) renders
+    the history differently from what the model sampled, which env_turn_ids refused; the model's turns stay as
+    sampled, so the environment turn's ids are what the template puts after an assistant turn's end token: the
+    conversation built turn by turn is exactly the sampled turns joined by the template's boundaries."""
+    tok = _template_tokenizer(THINKING)
+    fmt = TokenizerConfig(use_chat_template=True)
+    base = _rendered(tok, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    later = _rendered(
+        tok, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    )
+    assert later[: len(base)] != base  # the earlier turn renders differently: what the old code refused
+    check_env_template(tok, fmt)  # the start-up check passes
+    ids = encode_prompt(tok, "guess 1 to 9", fmt)
+    text = "<|im_start|>user\nguess 1 to 9<|endoftext|>\n<|im_start|>assistant\n"
+    conversation = [{"role": "user", "content": "guess 1 to 9"}]
+    for model_turn, env_turn in [("<think>mid</think>5", "higher"), ("<think>up</think>7", "lower"), ("6", None)]:
+        ids += tok(model_turn, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]  # as sampled
+        text += model_turn + "<|endoftext|>"
+        conversation.append({"role": "assistant", "content": model_turn})
+        if env_turn is not None:
+            env = env_turn_ids(tok, env_turn, fmt)
+            conversation.append({"role": "user", "content": env_turn})
+            # the template's own ids for this boundary: the end of its rendering of the conversation so far
+            assert _rendered(tok, conversation, generation=True)[-len(env) :] == env
+            ids += env
+            text += f"\n<|im_start|>user\n{env_turn}<|endoftext|>\n<|im_start|>assistant\n"
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    "template, why",
+    [
+        ("{% if messages|length > 2 %}{{ raise_exception('one exchange only') }}{% endif %}" + CHATML, "one exchange"),
+        ("{{ messages|length }}" + CHATML, "renders the first user turn differently"),
+        (THINKING.replace("<|endoftext|>", "|"), "no special token"),
+    ],
+)
+def test_a_template_that_cannot_frame_an_environment_turn_is_named_at_start_up(tmp_path, template, why):
+    tok = _template_tokenizer(template)
+    with pytest.raises(ChatTemplateError, match=why):
+        check_env_template(tok, TokenizerConfig(use_chat_template=True))
+    # the job's inputs check it before any engine starts, for an environment only
+    tok.save_pretrained(str(tmp_path))
+    args = ["--model.path", str(tmp_path), "--tokenizer.use_chat_template=true", f"--job.output_dir={tmp_path}/o"]
+    with pytest.raises(ChatTemplateError, match=why):
+        build_job_inputs(load_config(["--config", "guess_number", *args]), tmp_path, None)
 
 
 class _Counting(Episode):
