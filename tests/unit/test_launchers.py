@@ -67,8 +67,9 @@ def test_slurm_wrapper_starts_one_agent_per_node(tmp_path):
         "SLURM_JOB_ID": "4242",
         "SLURM_SUBMIT_DIR": str(ROOT),
     }
-    data = "--task.train_files=['data/math/orz.parquet']"
-    r = run(["bash", "scripts/slurm_train.sh", "--config", "math", f"--model.path={tmp_path}", data], env)
+    # the launcher checks the data files before anything starts: real ones (math.toml's are placeholders)
+    data = ["--task.train_files=['data/math/orz.parquet']", "--task.eval_files=['data/math/orz_saved']"]
+    r = run(["bash", "scripts/slurm_train.sh", "--config", "math", f"--model.path={tmp_path}", *data], env)
     assert r.returncode == 0, r.stderr
     lines = [x for x in r.stdout.splitlines() if x.startswith("TORCHRUN")]
     assert len(lines) == 2, r.stdout
@@ -76,7 +77,7 @@ def test_slurm_wrapper_starts_one_agent_per_node(tmp_path):
         assert line == (
             f"TORCHRUN node={node} -m torch.distributed.run --nnodes 2 --nproc-per-node 8 --max-restarts 3 "
             f"--node-rank {node} --rdzv-backend c10d --rdzv-endpoint gpu-a:29500 --rdzv-id 4242 run_train.py "
-            f"--config math --model.path={tmp_path} {data}"
+            f"--config math --model.path={tmp_path} {' '.join(data)}"
         )
 
 
