@@ -21,8 +21,9 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         cfg = load_config(argv[1:])
-        with named_source(cfg.source):  # the task's data files too: a bad one is named here, in seconds
-            task_class(cfg.task.name).check_files(cfg.task)
+        if cfg.job.stage != "plan":  # the task's data files too (a plan reads none): a bad one is named here
+            with named_source(cfg.source):
+                task_class(cfg.task.name).check_files(cfg.task)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
