@@ -16,17 +16,23 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from benchmarks.harness import RESULTS, ROOT, report
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def job_side(cfg, task, tokenizer, stops, max_len: int, cores: str, repeats: int) -> tuple[list[float], int, float]:
-    """Seconds per evaluation of every set through the job's engine, completion tokens per evaluation, pass@1."""
-    from pipelinerl_fsdp.inference.evaluator import EngineEvaluator, evaluate_alone
-    from pipelinerl_fsdp.inference.factory import generation_engine
+    from pipelinerl_fsdp.config import Config
+    from pipelinerl_fsdp.inference.evaluator import EngineEvaluator
+    from pipelinerl_fsdp.tasks import Task
 
-    inf = cfg.inference
-    evaluator = EngineEvaluator(
+
+def one_engine_evaluator(cfg: Config, task: Task, tokenizer: PreTrainedTokenizerBase) -> EngineEvaluator:
+    """The job's evaluator as one engine of one runs it: every held-out problem of the task."""
+    from pipelinerl_fsdp.inference.evaluator import EngineEvaluator
+
+    return EngineEvaluator(
         cfg.eval,
         cfg.tokenizer,
         task,
@@ -36,6 +42,15 @@ def job_side(cfg, task, tokenizer, stops, max_len: int, cores: str, repeats: int
         final_version=cfg.rl.max_steps,
         max_new_tokens=cfg.task.max_new_tokens,
     )
+
+
+def job_side(cfg, task, tokenizer, stops, max_len: int, cores: str, repeats: int) -> tuple[list[float], int, float]:
+    """Seconds per evaluation of every set through the job's engine, completion tokens per evaluation, pass@1."""
+    from pipelinerl_fsdp.inference.evaluator import evaluate_alone
+    from pipelinerl_fsdp.inference.factory import generation_engine
+
+    inf = cfg.inference
+    evaluator = one_engine_evaluator(cfg, task, tokenizer)
     engine = generation_engine(cfg.inference, cfg.job, cfg.world, cfg.model.path, max_len, stops, cores=cores)
     scorer = task.scorer()
     try:
@@ -109,7 +124,6 @@ def main() -> None:
     a = p.parse_args()
     os.chdir(ROOT)
     from pipelinerl_fsdp.configure import load_config
-    from pipelinerl_fsdp.inference.evaluator import EngineEvaluator
     from pipelinerl_fsdp.preflight import sequence_limits, stop_token_ids
     from pipelinerl_fsdp.tasks import make_task
     from pipelinerl_fsdp.tokenizer import load_tokenizer
@@ -130,16 +144,7 @@ def main() -> None:
     stops = stop_token_ids(cfg.model.path, tokenizer)
     _, max_len = sequence_limits(cfg.tokenizer, cfg.task, task, tokenizer)
     # the evaluator's requests in its order: every set's problems x samples
-    probe = EngineEvaluator(
-        cfg.eval,
-        cfg.tokenizer,
-        task,
-        tokenizer,
-        0,
-        1,
-        final_version=cfg.rl.max_steps,
-        max_new_tokens=cfg.task.max_new_tokens,
-    )
+    probe = one_engine_evaluator(cfg, task, tokenizer)
     probe.start(0)
     prompts = [list(r.prompt_ids) for r in probe.queue]
 

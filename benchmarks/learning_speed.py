@@ -30,8 +30,9 @@ earlier, so it trails the policy by the lag and charges pipeline for a delay of 
   python -m benchmarks.learning_speed --task tool_arithmetic --quick  # multi-turn (a sandboxed Python tool):
                                                                # pipeline, conventional G=1 and async, 3 seeds
 
-Mode `colocated` is the single-process baseline of `benchmarks/colocated.py` (generate with every core, then train
-with every core; same config, data, step and metrics); `speedup_vs_colocated` compares against it.
+Mode `colocated` is the single-process baseline `python -m benchmarks.colocated` (`rl.mode = "colocated"`: generate
+with every core, then train with every core; same config, data, step and metrics); `speedup_vs_colocated` compares
+against it.
 """
 
 from __future__ import annotations
@@ -201,10 +202,10 @@ def config_args(config: str, ts: TaskSettings) -> list[str]:
 
 
 def colocated_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
-    """`benchmarks/colocated.py ARGS`: one process, every core (no per-rank thread cap)."""
+    """`python -m benchmarks.colocated ARGS`: one process, every core (no per-rank thread cap)."""
     _, env = job_command(1, *args)
     env.pop("OMP_NUM_THREADS")
-    return [sys.executable, str(ROOT / "benchmarks" / "colocated.py"), *args], env
+    return [sys.executable, "-m", "benchmarks.colocated", *args], env
 
 
 def moving_average(xs: list[float], window: int) -> list[float]:

@@ -98,7 +98,9 @@ def bench(
         top_p=1.0,
         seed=0,
         dtype="bfloat16" if gpu else "float32",
-        placement=VLLMPlacement(cpu_cores=None, gpu_ids=[0]) if gpu else vllm_placement(cfg, world),
+        placement=VLLMPlacement(cpu_cores=None, gpu_ids=[0])
+        if gpu
+        else vllm_placement(cfg.inference, cfg.job.threads_per_rank, world),
         kv_cache_gib=1,
         ignore_eos=True,
         weight_load=loads[0],

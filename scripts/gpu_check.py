@@ -140,7 +140,8 @@ def main() -> None:
         folder = out / name
         cmd = [
             sys.executable,
-            str(ROOT / "benchmarks" / "colocated.py"),
+            "-m",
+            "benchmarks.colocated",
             "--config",
             "arithmetic",
             f"--job.device={device}",

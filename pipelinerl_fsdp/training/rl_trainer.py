@@ -15,11 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from transformers import PreTrainedTokenizerBase
-
-from pipelinerl_fsdp.checkpoint_layout import export_folder, resume_point
+from pipelinerl_fsdp.checkpoint_layout import resume_point
 from pipelinerl_fsdp.config import (
     CheckpointConfig,
     Config,
@@ -30,7 +26,6 @@ from pipelinerl_fsdp.config import (
 )
 from pipelinerl_fsdp.job.world import World, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
-from pipelinerl_fsdp.models import save_hf_folder
 from pipelinerl_fsdp.records import total
 from pipelinerl_fsdp.rl.batching import split_balanced
 from pipelinerl_fsdp.rl.loss import LossStats
@@ -45,8 +40,8 @@ from pipelinerl_fsdp.tasks import Task
 from pipelinerl_fsdp.training.checkpoint import Checkpointer
 from pipelinerl_fsdp.training.collector import Collector
 from pipelinerl_fsdp.training.evaluation import EvalAggregator
+from pipelinerl_fsdp.training.export import PolicyExporter
 from pipelinerl_fsdp.training.metrics import MetricsLogger, rl_console
-from pipelinerl_fsdp.training.parallelize import full_state_dict
 from pipelinerl_fsdp.training.policy import Policy, build_policy, load_sharded
 from pipelinerl_fsdp.training.rl_step import RLStep
 from pipelinerl_fsdp.training.rollout_log import RolloutLog, as_text
@@ -353,34 +348,6 @@ class RLTrainer:
 def wave_groups(rl: RLConfig) -> int:
     """Groups in each of a step's parts (`rl.waves`, which validation makes divide the step's groups)."""
     return rl.batch_size // rl.attempts // rl.waves
-
-
-@dataclass
-class PolicyExporter:
-    """Writes the trained policy as HF folders under `output_dir`: `exports/step-N` (`checkpoint.export_every`),
-    `final` (collective over the trainer ranks)."""
-
-    model: torch.nn.Module
-    world: World
-    tokenizer: PreTrainedTokenizerBase
-    output_dir: Path
-
-    def export(self, step: int | None) -> None:
-        """The policy after `step` optimizer steps; None: the final one."""
-        out = self.output_dir / "final" if step is None else export_folder(self.output_dir, step)
-        export_policy(self.model, out, self.world, self.tokenizer)
-
-
-def export_policy(model: torch.nn.Module, out: Path, world: World, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Write the trained policy as an HF folder (weights + config + the job's tokenizer)."""
-    full = full_state_dict(model, keep=world.is_main, on_cpu=True)  # collective over the trainer ranks
-    if world.is_main:
-        args = model.args  # type: ignore[attr-defined]
-        save_hf_folder(out, args, full, dtype=torch.float32)
-        tokenizer.save_pretrained(str(out))
-        if out.name == "final":  # periodic exports are not worth a console line each
-            print(f"[rl] exported the final policy to {out}", flush=True)
-    dist.barrier(group=world.trainer_group)
 
 
 def run_trainer(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int) -> None:

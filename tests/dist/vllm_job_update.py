@@ -75,7 +75,7 @@ def main() -> None:
         dist.barrier()
         return
     engine = VLLMEngine(work / "old", max_num_seqs=8, max_len=MAX_LEN, temperature=T, top_p=1.0, seed=0,
-                        dtype="float32", placement=vllm_placement(cfg, world), kv_cache_gib=1, ignore_eos=True,
+                        dtype="float32", placement=vllm_placement(cfg.inference, cfg.job.threads_per_rank, world), kv_cache_gib=1, ignore_eos=True,
                         weight_load=load)
     receiver = WeightReceiver(layout, world.weight_group, 0, torch.float32, torch.device("cpu"), bucket)
     engine.join_weight_group(*store_address(), 1, 2, "gloo", 120, [(n, list(s)) for n, s in layout], "float32", bucket)

@@ -1,4 +1,4 @@
-"""The colocated baseline (`benchmarks/colocated.py`) learns on the job's step and metrics, with its generator on
+"""The colocated baseline (`python -m benchmarks.colocated`) learns on the job's step and metrics, with its generator on
 the weights just trained: lag 0 and ESS 1 at every step, even at a learning rate that moves the policy a lot."""
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def test_colocated_generates_with_the_weights_it_just_trained(default_warmstart,
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
     cmd = [
         sys.executable,
-        str(ROOT / "benchmarks" / "colocated.py"),
+        "-m",
+        "benchmarks.colocated",
         "--config",
         "arithmetic",
         f"--warmstart.path={folder}",
