@@ -33,6 +33,7 @@ from benchmarks.harness import RESULTS, report
 from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.placement import VLLMPlacement, vllm_placement
+from pipelinerl_fsdp.inference.vllm_config import VLLMInferenceConfig
 from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine
 from pipelinerl_fsdp.inference.vllm_load import LOADS
 from pipelinerl_fsdp.job.world import init_world
@@ -201,8 +202,8 @@ def main() -> None:
     for load in loads:
         if load not in LOADS:
             p.error(f"--loads: {load!r} is not one of {LOADS}")
-    cfg = Config()
-    cfg.job.stage, cfg.inference.engine, cfg.world.inference_ranks = "rl", "vllm", 1
+    cfg = Config(inference=VLLMInferenceConfig())  # the vLLM engine's own section (as load_config selects it)
+    cfg.job.stage, cfg.world.inference_ranks = "rl", 1
     world = init_world(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         obj = [tmp]

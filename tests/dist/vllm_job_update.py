@@ -30,6 +30,7 @@ from kv_reference import full_logprobs, logprobs_old_kv_then_new  # noqa: E402
 from pipelinerl_fsdp.config import Config  # noqa: E402
 from pipelinerl_fsdp.inference.engine import Request  # noqa: E402
 from pipelinerl_fsdp.inference.placement import vllm_placement  # noqa: E402
+from pipelinerl_fsdp.inference.vllm_config import VLLMInferenceConfig
 from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine  # noqa: E402
 from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder  # noqa: E402
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET  # noqa: E402
@@ -48,8 +49,8 @@ PROMPTS = [[3, 4, 5, 13], [6, 7, 8, 9, 13], [10, 13], [11, 12, 13]]
 def main() -> None:
     work = Path(sys.argv[1])
     load = sys.argv[2] if len(sys.argv) > 2 else "reload"
-    cfg = Config()
-    cfg.job.stage, cfg.inference.engine, cfg.world.inference_ranks = "rl", "vllm", 1
+    cfg = Config(inference=VLLMInferenceConfig())  # the vLLM engine's own section (as load_config selects it)
+    cfg.job.stage, cfg.world.inference_ranks = "rl", 1
     world = init_world(cfg)
     tok = build_char_tokenizer(ALPHABET)
     args = flavour_args("debug", vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
