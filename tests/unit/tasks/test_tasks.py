@@ -66,7 +66,7 @@ def test_stream_resumes_exactly_and_strides_disjoint():
 
 
 def test_unknown_task():
-    registered = "addition, chain_sum, guess_number, math, tool_arithmetic, word_problems"
+    registered = "addition, chain_sum, countdown, guess_number, math, tool_arithmetic, word_problems"
     with pytest.raises(ValueError, match=f"unknown task 'poetry'; registered tasks: {registered}$"):
         make_task(TaskConfig(name="poetry"))
 
