@@ -1,21 +1,23 @@
 """`countdown`: long worked generations with a heavy-tailed length, and their uniform twin.
 
-"0457-3>0430=" asks to count down from 457 in steps of 3 to 430, writing every value on its own zero-padded line:
-"0454\\n0451\\n...\\n0430". Every line is a verifiable step (a 4-digit subtraction of one digit and a comparison with
-the prompt's end value), so the reward is exact: 1 when the whole worked solution is right, else 0. A problem of L
-lines has exactly 5L completion tokens (EOS included) with the task's character tokenizer, so the length of a
-completion is chosen by the generator, not by the model's luck:
+"0457-3:009=" asks to count down from 457 in steps of 3, nine times, writing every value with the number of steps
+left, one zero-padded line each: "0454:008\n0451:007\n...\n0430:000". Every line is a verifiable step (two
+subtractions: the value by the step, the count by one; the line with count 000 is the last), so the reward is exact:
+1 when the whole worked solution is right, else 0. A problem of L lines has exactly 9L completion tokens (EOS
+included) with the task's character tokenizer, so a completion's length is chosen by the generator, not by chance:
 
-- `lengths = "tail"`: L drawn with P(L) proportional to L^-tail_exponent on [min_lines, max_lines] (defaults 4..205:
-  20..1,025 tokens, median ~60, mean ~143: the longest 17x the median). The paper's regime: a few sequences live
+- `lengths = "tail"`: L drawn with P(L) proportional to L^-tail_exponent on [min_lines, max_lines] (defaults 3..114:
+  27..1,026 tokens, median ~81, mean ~166: the longest ~13x the median). The paper's regime: a few sequences live
   through many optimizer steps while most finish within one.
-- `lengths = "uniform"`: the same problems' twin with nearly equal lengths, L uniform within +-uniform_spread of
-  the tail distribution's mean line count, so the mean completion length is the same.
+- `lengths = "uniform"`: the twin with nearly equal lengths, L uniform within +-uniform_spread of the tail
+  distribution's mean line count, so the mean completion length is the same.
 
-Why this task (docs/results.md, the long-generation regime): each step is local (the line above, the step and the
-end value in the prompt) so the ~0.8M debug model learns it from a short warm start and keeps long chains right
-often enough to learn from, where long chains of sums compound errors to zero; and the problem space is large at
-every length (the end value is free), so the uniform twin's held-out set is disjoint from its training stream.
+Why this task (docs/results.md, the long-generation regime): every step is local (the line above and the step in
+the prompt), so the ~0.8M debug model learns it from a short warm start and gets long chains right often enough to
+learn from, where long chains of sums compound errors to zero. The count makes the end local too: a first version
+that ended at a value named in the prompt never learned to stop (400 warm-start steps: every completion ran to the
+token budget, held-out accuracy 0). The start value is free, so the problem space is large at every length and the
+uniform twin's held-out set is disjoint from its training stream.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from dataclasses import dataclass
 from pipelinerl_fsdp.config import TaskConfig
 from pipelinerl_fsdp.tasks.base import GeneratedTask, Problem, register_task
 
-ALPHABET = "0123456789->=\n"
-WIDTH = 4  # digits of every value (zero-padded): lines of WIDTH + 1 characters
+ALPHABET = "0123456789-:=\n"
+WIDTH = 4  # digits of every value (zero-padded)
+COUNT_WIDTH = 3  # digits of the steps-left count
+LINE_TOKENS = WIDTH + 1 + COUNT_WIDTH + 1  # "vvvv:ccc" and its newline (the last line: EOS)
 TOP = 10**WIDTH - 1
 LENGTHS = ("tail", "uniform")
 
@@ -53,12 +57,12 @@ def uniform_band(min_lines: int, max_lines: int, exponent: float, spread: float)
 @dataclass
 class CountdownConfig(TaskConfig):
     lengths: str = "tail"
-    min_lines: int = 4
-    max_lines: int = 205
+    min_lines: int = 3
+    max_lines: int = 114
     tail_exponent: float = 1.5
     uniform_spread: float = 0.1
     max_step: int = 9
-    max_new_tokens: int = 1032
+    max_new_tokens: int = 1040
 
     def check(self) -> list[tuple[str, str]]:
         bad = super().check()
@@ -70,13 +74,15 @@ class CountdownConfig(TaskConfig):
             bad.append(("max_lines", f">= task.min_lines = {self.min_lines}"))
         if not 1 <= self.max_step <= 9:
             bad.append(("max_step", "between 1 and 9 (one digit)"))
-        elif self.max_lines * self.max_step > TOP:
-            bad.append(("max_lines", f"<= {TOP // self.max_step} (values have {WIDTH} digits)"))
+        elif self.max_lines > min(TOP // self.max_step, 10**COUNT_WIDTH - 1):
+            bad.append(
+                ("max_lines", f"<= {min(TOP // self.max_step, 10**COUNT_WIDTH - 1)} (values have {WIDTH} digits)")
+            )
         if self.tail_exponent < 0:
             bad.append(("tail_exponent", ">= 0"))
         if not 0 <= self.uniform_spread < 1:
             bad.append(("uniform_spread", "in [0, 1)"))
-        longest = (self.max_lines if self.lengths == "tail" else self.line_range()[1]) * (WIDTH + 1)
+        longest = self.line_range()[1] * LINE_TOKENS
         if self.max_new_tokens < longest:
             bad.append(("max_new_tokens", f">= {longest} (the longest solution, EOS included)"))
         return bad
@@ -90,7 +96,7 @@ class CountdownConfig(TaskConfig):
 
 @register_task("countdown")
 class Countdown(GeneratedTask):
-    """Count down from n in steps of d to f, one zero-padded value per line; L = (n - f) / d lines."""
+    """Count down from n in steps of d, L times: line i is n - i*d and L - i, zero-padded."""
 
     config_class = CountdownConfig
     alphabet = ALPHABET
@@ -109,12 +115,11 @@ class Countdown(GeneratedTask):
         step = rng.randint(1, self.cfg.max_step)
         end = rng.randint(0, TOP - lines * step)
         start = end + lines * step
-        values = [start - step * i for i in range(1, lines + 1)]
-        solution = "\n".join(f"{v:0{WIDTH}d}" for v in values)
-        return Problem(prompt=f"{start:0{WIDTH}d}-{step}>{end:0{WIDTH}d}=", answer=solution, solution=solution)
+        solution = "\n".join(f"{start - step * i:0{WIDTH}d}:{lines - i:0{COUNT_WIDTH}d}" for i in range(1, lines + 1))
+        return Problem(prompt=f"{start:0{WIDTH}d}-{step}:{lines:0{COUNT_WIDTH}d}=", answer=solution, solution=solution)
 
     def reward(self, completion: str, answer: str) -> float:
         return float(completion.strip() == answer)
 
     def longest_prompt(self) -> str:
-        return f"{TOP}-9>{TOP}="
+        return f"{TOP}-9:{10**COUNT_WIDTH - 1}="

@@ -1,6 +1,8 @@
 """Rollouts a person can read: every `metrics.rollouts_every` steps the trained batch goes to
 `<output_dir>/rl/rollouts/step-NNNNNNN.jsonl` (prompt, completion, gold answer, reward, outcome, the policy
-versions of the completion as ranges, lag), and a few per logged step to TensorBoard's text tab.
+versions of the completion as ranges, lag, the completion's token ids and the engine's log-prob of each: with the
+exports of every version a reader can check which weights sampled each token), and a few per logged step to
+TensorBoard's text tab.
 `python scripts/show_rollouts.py OUTPUT_DIR` prints the latest ones."""
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def rollout_record(
         "finished": s.finished,
         "tokens": len(s.completion_ids),
         "versions": version_ranges(s.versions),
+        "token_ids": list(s.completion_ids),
+        "logprobs": [round(float(x), 7) for x in s.logprobs],
         "lag_max": trained_version - min(model_versions(s.versions), default=trained_version),
     }
 

@@ -56,8 +56,8 @@ def test_int_accepted_for_float(tmp_path):
         ("[warmstart]\nsteps = 'many'\n", r"warmstart\.steps: expected int, got 'many' \(.*c\.toml\)"),
         (
             "[task]\nname = 'poetry'\n",
-            r"task\.name = 'poetry' is not one of 'addition', 'chain_sum', 'countdown', 'guess_number', 'math', 'tool_arithmetic', "
-            r"'word_problems' \(.*c\.toml\)",
+            r"task\.name = 'poetry' is not one of 'addition', 'chain_sum', 'countdown', 'guess_number', 'math', "
+            r"'tool_arithmetic', 'word_problems' \(.*c\.toml\)",
         ),
         ("[trainer.optimizer]\nlr = -1.0\n", r"trainer\.optimizer\.lr = -1\.0 must be > 0 \(.*c\.toml\)"),
         (

@@ -24,11 +24,11 @@ def test_solution_is_the_worked_countdown_and_the_reward_exact():
     for _ in range(200):
         p = task.sample(rng)
         start, rest = p.prompt.rstrip("=").split("-")
-        step, end = map(int, rest.split(">"))
-        values = [int(x) for x in p.solution.split("\n")]
-        assert values[0] == int(start) - step and values[-1] == end
-        assert all(a - b == step for a, b in zip(values, values[1:]))
-        assert all(len(x) == 4 for x in p.solution.split("\n")) and set(p.prompt + p.solution) <= set(ALPHABET)
+        step, count = map(int, rest.split(":"))
+        lines = [x.split(":") for x in p.solution.split("\n")]
+        assert len(lines) == count and all(len(v) == 4 and len(c) == 3 for v, c in lines)
+        assert [(int(v), int(c)) for v, c in lines] == [(int(start) - i * step, count - i) for i in range(1, count + 1)]
+        assert set(p.prompt + p.solution) <= set(ALPHABET) and len(p.solution) + 1 == 9 * count
         assert task.reward(p.solution, p.answer) == 1.0 and task.reward(p.solution + "\n", p.answer) == 1.0
         wrong = p.solution[:-1] + str((int(p.solution[-1]) + 1) % 10)
         assert task.reward(wrong, p.answer) == 0.0 and task.reward(p.solution[:-5], p.answer) == 0.0
@@ -37,27 +37,27 @@ def test_solution_is_the_worked_countdown_and_the_reward_exact():
 def test_tail_lengths_follow_the_power_law():
     cfg = CountdownConfig(name="countdown")
     ls = lengths(make_task(cfg))
-    assert min(ls) == 5 * cfg.min_lines and max(ls) == 5 * cfg.max_lines >= 1024
-    # P(L) ~ L^-1.5 on 4..205 (computed independently of the sampler): median and mean
-    weights = {n: n**-1.5 for n in range(4, 206)}
+    assert min(ls) == 9 * cfg.min_lines and max(ls) == 9 * cfg.max_lines >= 1024
+    # P(L) ~ L^-1.5 on 3..114 (computed independently of the sampler): median and mean
+    weights = {n: n**-1.5 for n in range(3, 115)}
     total, acc = sum(weights.values()), 0.0
     median_lines = next(n for n, w in weights.items() if (acc := acc + w) >= total / 2)
     mean_lines = sum(n * w for n, w in weights.items()) / total
-    assert statistics.median(ls) == pytest.approx(5 * median_lines, abs=5)
-    assert statistics.fmean(ls) == pytest.approx(5 * mean_lines, rel=0.03)
+    assert statistics.median(ls) == pytest.approx(9 * median_lines, abs=9)
+    assert statistics.fmean(ls) == pytest.approx(9 * mean_lines, rel=0.03)
     assert max(ls) >= 8 * statistics.median(ls)  # the heavy tail the issue asks for
-    assert tail_mean(4, 205, 1.5) == pytest.approx(mean_lines)
-    assert len(tail_weights(4, 205, 1.5)) == 202
+    assert tail_mean(3, 114, 1.5) == pytest.approx(mean_lines)
+    assert len(tail_weights(3, 114, 1.5)) == 112
 
 
 def test_uniform_twin_has_the_same_mean_and_nearly_equal_lengths():
     tail = lengths(make_task(CountdownConfig(name="countdown")))
     cfg = CountdownConfig(name="countdown", lengths="uniform")
-    lo, hi = uniform_band(4, 205, 1.5, 0.1)
-    assert cfg.line_range() == (lo, hi) and (lo, hi) == (24, 30)
+    lo, hi = uniform_band(3, 114, 1.5, 0.1)
+    assert cfg.line_range() == (lo, hi) and (lo, hi) == (15, 19)
     twin = lengths(make_task(cfg))
     assert statistics.fmean(twin) == pytest.approx(statistics.fmean(tail), rel=0.03)
-    assert 5 * lo == min(twin) and max(twin) == 5 * hi and max(twin) <= 1.25 * min(twin)
+    assert 9 * lo == min(twin) and max(twin) == 9 * hi and max(twin) <= 1.3 * min(twin)
 
 
 @pytest.mark.parametrize("mode", ["tail", "uniform"])
@@ -73,10 +73,10 @@ def test_held_out_set_is_disjoint_from_training_at_every_length(mode):
     "override, message",
     [
         ("--task.lengths=long", r"task\.lengths = 'long' must be 'tail' or 'uniform'"),
-        ("--task.max_lines=2", r"task\.max_lines = 2 must be >= task\.min_lines = 4"),
+        ("--task.max_lines=2", r"task\.max_lines = 2 must be >= task\.min_lines = 3"),
         ("--task.max_step=10", r"task\.max_step = 10 must be between 1 and 9"),
-        ("--task.max_lines=2000", r"task\.max_lines = 2000 must be <= 1111"),
-        ("--task.max_new_tokens=1000", r"task\.max_new_tokens = 1000 must be >= 1025"),
+        ("--task.max_lines=2000", r"task\.max_lines = 2000 must be <= 999"),
+        ("--task.max_new_tokens=1000", r"task\.max_new_tokens = 1000 must be >= 1026"),
     ],
 )
 def test_bad_keys_are_named(override, message):

@@ -26,6 +26,7 @@ def test_records_carry_the_problem_and_the_outcome(tmp_path):
     (rec,) = log.records([s], trained_version=6)
     assert rec["prompt"] == problem.prompt and rec["gold"] == problem.answer and rec["outcome"] == "correct"
     assert rec["completion"].startswith(problem.answer) and rec["versions"][0] == [0, 1, 4] and rec["lag_max"] == 2
+    assert rec["token_ids"] == comp and rec["logprobs"] == [-0.1] * len(comp)  # what a reader rescores
     assert log.due(3) and not log.due(4)
     path = log.write(3, [rec])
     assert path.name == "step-0000003.jsonl" and problem.answer in as_text(rec)
