@@ -9,10 +9,11 @@ Reports per mode, as the median and range over seeds: time to target at the main
 wall clock, engine start-up excluded), samples to target, final accuracy and reward, ESS (mean, and the minimum of
 any step), mean / max lag, busy fractions, engine occupancy (median over steps), optimizer steps per second;
 `speedup_vs_conventional` = conventional G=1's median time to the target / this mode's,
-`speedup_vs_best_conventional` against the fastest conventional G. The bound B = (T_gen + T_train) / max(T_gen,
-T_train) comes from conventional G=1's busy fractions in the same run (its two sides take turns, so overlapping
-them perfectly would take max instead of the sum). Writes `learning_speed.json`, `learning_speed.md`,
-`learning_speed.png` (accuracy and reward vs time and vs samples, one curve per seed; ESS vs step) under --out;
+`speedup_vs_best_conventional` against the fastest conventional G of those run (`best_conventional`). The bound
+B = (T_gen + T_train) / max(T_gen, T_train) comes from conventional G=1's busy fractions in the same run (its two
+sides take turns, so overlapping them perfectly would take max instead of the sum). Writes `learning_speed.json`,
+`learning_speed.md`, `learning_speed.png` (accuracy and reward vs time and vs samples, one curve per seed; ESS, raw
+and truncated, vs step) under --out;
 TensorBoard: `tensorboard --logdir OUT/runs` shows one run per mode and seed.
 
 The targets are of the held-out greedy accuracy (`--metric accuracy`, the default): every run exports its policy
@@ -29,6 +30,17 @@ earlier, so it trails the policy by the lag and charges pipeline for a delay of 
                                                                # + warm start (once, ~15 min)
   python -m benchmarks.learning_speed --task tool_arithmetic --quick  # multi-turn (a sandboxed Python tool):
                                                                # pipeline, conventional G=1 and async, 3 seeds
+  python -m benchmarks.learning_speed --task long_tail          # the paper's long-generation regime (countdown,
+                                                               # 20..1,025 tokens, heavy-tailed); --task
+                                                               # long_uniform: its uniform twin (same mean)
+
+The long-generation tasks (`long_tail`, `long_uniform`: the preset is the whole job config) dump every step's
+rollouts (`metrics.rollouts_every = 1`); each run's summary then holds the exact token-lag histogram and its p50 /
+p90 / max (`benchmarks/token_lag.py`), and the report a second table (token lag, raw and truncated ESS, busy and
+blocked fractions of both sides, the mean lag by tenth of the completion) and `learning_speed_lag.png` (the
+token-lag histogram per mode, log y). `python -m benchmarks.long_regime` sets the two presets' speed-ups side by side.
+Task settings: `benchmarks/learning_speed_tasks.py`; statistics: `learning_speed_stats.py`; figures:
+`learning_speed_plots.py`.
 
 Mode `colocated` is the single-process baseline `python -m benchmarks.colocated` (`rl.mode = "colocated"`: generate
 with every core, then train with every core; same config, data, step and metrics); `speedup_vs_colocated` compares
@@ -41,14 +53,16 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.harness import ROOT, pyplot, run_job, run_logged, save_figure
-from benchmarks.heldout import Evaluator, crossing
+from benchmarks.harness import ROOT, run_job, run_logged
+from benchmarks.heldout import Evaluator
+from benchmarks.learning_speed_plots import plot, plot_lag
+from benchmarks.learning_speed_stats import aggregate, overlap_bound, speedups, summarise
+from benchmarks.learning_speed_tasks import TASK_CONFIG, TASK_ENGINE, TASK_SETTINGS, task_args
+from benchmarks.token_lag import histogram, lag_summary, read_dumps
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.runtime.torchrun import job_command
 
@@ -113,282 +127,11 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-@dataclass(frozen=True)
-class TaskSettings:
-    """What the benchmark needs to know of a task beyond its job config: the config's presets, its targets, its
-    default steps, modes and evaluation sizes."""
-
-    # train_configs/ layered, in order, over the task's config (`TASK_CONFIG`, or --config)
-    presets: tuple[str, ...]
-    # main target, further targets: of the held-out accuracy (--metric accuracy) and of the sampled reward
-    accuracy_targets: tuple[float, str]
-    reward_targets: tuple[float, str]
-    quick_steps: int
-    full_steps: int
-    quick_modes: str
-    # held-out problems evaluated per export (the first of the task's held-out split), and steps between exports
-    # (quick, full)
-    eval_size: tuple[int, int]
-    eval_every: tuple[int, int]
-
-
-TASK_SETTINGS = {
-    "addition": TaskSettings(
-        # the warm start's held-out greedy accuracy is 0.76, RL's plateau ~0.93
-        (),
-        (0.88, "0.86,0.9"),
-        (0.8, "0.75,0.83"),
-        200,
-        400,
-        "pipeline,conventional:1,conventional:4",
-        (500, 500),
-        (5, 5),
-    ),
-    # The long-tail task (its job settings: train_configs/chain_sum.toml): worked sums of 2-12 two-digit terms
-    # (completions ~10-130 tokens), 128 samples per step.
-    # The engine is the pure-PyTorch one: for this 0.8M model on one CPU core vLLM runs at 0.7-0.9x its speed (its
-    # engine core and client add to the model's cost; benchmarks/engine_overhead.py). With it, conventional G=1's
-    # two sides are balanced (trainer busy ~0.49, engine ~0.52); with vLLM (`--engine vllm`) the engine takes ~58%
-    # of the work, for reasons of vLLM's overhead rather than of the task. The warm start stops at the first
-    # evaluation (every 25 steps) at or above 0.75 held-out greedy accuracy on the 1024 problems the benchmark
-    # evaluates (here: 725 steps, 0.789, ~15 min once): a fixed number of steps is not a fixed strength (the greedy
-    # accuracy jumps by up to 0.16 between two evaluations 25 steps apart). 1024 held-out problems, not 256: near
-    # the target the policy gains ~0.03 per 4 steps, within the noise of 256 problems (+-0.022); an export takes
-    # ~10 s to evaluate on 1024 here, so --quick evaluates the first 512 (noisier).
-    # RL learning rate 1.5e-5 (the config's 3e-5 halved): at 3e-5 every mode reached ~0.85 by step ~10 and then
-    # plateaued at 0.84-0.87, so the main target sat on the plateau's edge (its crossing time bimodal from run to
-    # run) and ~10 steps from the start, where pipeline's first step (which waits for a whole batch, like
-    # conventional's) is a tenth of its time. At 1.5e-5 the same climb takes ~15 steps and crosses 0.85 on the
-    # slope (docs/results.md). Targets: 0.85, and 0.83 / 0.86 (0.86 is near the plateau again). Every run evaluates its
-    # exports up to the first that reaches the highest target, and the last (the full run's time limit: 60 min).
-    # Pipeline and async take each batch in 4 parts (`rl.waves=4`): with whole batches a trainer-bound pipeline's
-    # receive queue holds a whole step of groups that waited a step (lag ~1.75, mean ESS below conventional
-    # G=4's); in parts the lag is ~1.0 and the ESS above G=4's, at the same time to target (docs/results.md: both full
-    # runs). Conventional modes always take whole batches: their round is complete before training starts, and
-    # parts would cost their step ~7% (more, smaller micro-batches).
-    "chain_sum": TaskSettings(
-        ("chain_sum",),
-        (0.85, "0.83,0.86"),
-        (0.8, "0.75,0.85"),
-        24,
-        32,
-        "pipeline,conventional:1,colocated",
-        (512, 1024),
-        (4, 4),
-    ),
-}
-TASK_SETTINGS["tool_arithmetic"] = TaskSettings(
-    # The multi-turn task: chain sums of 3-8 two-digit terms with a sandboxed Python tool (tasks/tool_arithmetic.py).
-    # Its config's warm start stops at 0.6 held-out greedy accuracy (the model calls the tool on about a third of the
-    # problems); RL learns to call it on every one: greedy accuracy 0.61 -> 1.0 in 50 steps (reference engine).
-    (),
-    (0.9, "0.8,0.95"),
-    (0.8, "0.7,0.9"),
-    40,
-    80,
-    "pipeline,conventional:1,async",
-    (256, 256),
-    (5, 5),
-)
-# the engine of every run unless --engine says otherwise
-TASK_ENGINE = {"addition": "vllm", "chain_sum": "reference", "tool_arithmetic": "reference"}
-# the config of every run unless --config says otherwise
-TASK_CONFIG = {"addition": "arithmetic", "chain_sum": "arithmetic", "tool_arithmetic": "tool_arithmetic"}
-
-
-def config_args(config: str, ts: TaskSettings) -> list[str]:
-    """`--config` of the task's config, then of each of its presets (layered in this order)."""
-    return [x for name in (config, *ts.presets) for x in ("--config", name)]
-
-
 def colocated_command(args: list[str]) -> tuple[list[str], dict[str, str]]:
     """`python -m benchmarks.colocated ARGS`: one process, every core (no per-rank thread cap)."""
     _, env = job_command(1, *args)
     env.pop("OMP_NUM_THREADS")
     return [sys.executable, "-m", "benchmarks.colocated", *args], env
-
-
-def moving_average(xs: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x - (xs[i - window] if i >= window else 0.0)
-        out.append(acc / min(i + 1, window))
-    return out
-
-
-def first_hit(smooth: list[float], target: float, window: int) -> int | None:
-    """Index of the first step whose moving average (over a full window) reaches `target`."""
-    return next((i for i, v in enumerate(smooth) if i + 1 >= window and v >= target), None)
-
-
-def summarise(
-    recs: list[dict],
-    target: float,
-    more_targets: list[float],
-    window: int,
-    curve: dict[str, list[float]] | None = None,
-    reward_targets: list[float] = (),
-) -> dict:
-    """Per-mode numbers from its metrics.jsonl records (one per optimizer step) and, when given, its held-out
-    accuracy curve (`heldout.Evaluator.curve`). The targets (main first) apply to the curve when there is one
-    (the time at which its linear interpolation first reaches them), else to the sampled reward's moving average;
-    with a curve the sampled reward's times to `reward_targets` are kept as `reward_time_to_targets_s`."""
-    steps = [r for r in recs if "reward_mean" in r]
-    smooth = moving_average([r["reward_mean"] for r in steps], window)
-    targets = sorted({target, *more_targets})
-
-    def reward_hits(ts: list[float]) -> dict[str, tuple[float | None, float | None]]:
-        out = {}
-        for t in ts:
-            i = first_hit(smooth, t, window)
-            out[str(t)] = (None, None) if i is None else (steps[i]["wall_time_s"], steps[i]["samples"])
-        return out
-
-    if curve is None:
-        hits = reward_hits(targets)
-    else:
-        acc = curve["accuracy"]
-        hits = {str(t): (crossing(curve["wall_time_s"], acc, t), crossing(curve["samples"], acc, t)) for t in targets}
-    tail = steps[-window:]
-
-    def mean(key: str, rows: list[dict] = steps) -> float:
-        return sum(r[key] for r in rows) / len(rows)
-
-    occupancy = [r["inference_occupancy"] for r in steps if "inference_occupancy" in r]  # steps the engine was busy
-
-    out = {
-        "steps": len(steps),
-        "wall_s": steps[-1]["wall_time_s"],
-        "time_to_target_s": hits[str(target)][0],
-        "samples_to_target": hits[str(target)][1],
-        "time_to_targets_s": {t: h[0] for t, h in hits.items()},
-        "final_reward": mean("reward_mean", tail),
-        "mean_ess": mean("ess"),
-        "min_ess": min(r["ess"] for r in steps),
-        "mean_lag": mean("lag_mean"),
-        "max_lag": max(r["lag_max"] for r in steps),
-        "mixed_version_frac": mean("mixed_version_frac"),
-        # multi-turn tasks: the mean lag of each model turn index (1, 2, ...) over the steps that had such turns
-        "lag_by_turn": lag_by_turn(steps),
-        "trainer_busy_frac": mean("trainer_busy_frac"),
-        "inference_busy_frac": mean("inference_busy_frac"),
-        "inference_occupancy": statistics.median(occupancy) if occupancy else None,
-        "steps_per_s": len(steps) / max(steps[-1]["wall_time_s"], 1e-9),
-        "curve": {
-            "wall_time_s": [r["wall_time_s"] for r in steps],
-            "samples": [r["samples"] for r in steps],
-            "reward_mean": [r["reward_mean"] for r in steps],
-            "reward_smooth": smooth,
-            "ess": [r["ess"] for r in steps],
-            "lag_mean": [r["lag_mean"] for r in steps],
-        },
-    }
-    if curve is not None:
-        out["final_accuracy"] = curve["accuracy"][-1]
-        out["eval_curve"] = curve
-        out["reward_time_to_targets_s"] = {t: h[0] for t, h in reward_hits(list(reward_targets)).items()}
-    return out
-
-
-def lag_by_turn(steps: list[dict]) -> dict[str, float]:
-    """Mean over the steps of `lag_turn/<i>` (a multi-turn task's lag of its episodes' i-th model turns)."""
-    out: dict[str, list[float]] = {}
-    for r in steps:
-        for k, v in r.items():
-            if k.startswith("lag_turn/"):
-                out.setdefault(k.split("/", 1)[1], []).append(v)
-    return {i: statistics.fmean(v) for i, v in sorted(out.items(), key=lambda kv: int(kv[0]))}
-
-
-def median_range(xs: list[float | None]) -> tuple[float | None, float | None, float | None]:
-    """(median, min, max) of per-seed values; a seed that never got there (None) counts as slower than any that
-    did, so the median is None when half or more missed."""
-    if not xs:
-        return None, None, None
-    inf = float("inf")
-    vals = sorted(inf if x is None else x for x in xs)
-    med = statistics.median(vals)
-    hit = [v for v in vals if v != inf]
-    return (None if med == inf else med), (min(hit) if hit else None), (None if vals[-1] == inf else vals[-1])
-
-
-def aggregate(per_seed: list[dict]) -> dict:
-    """One mode's numbers over its seeds: the median (and `<key>_range`: [min, max]) of each per-seed summary,
-    ESS as the mean of the seeds' means and the minimum of any step, lag mean and max likewise."""
-    out: dict = {"seeds": per_seed, "n_seeds": len(per_seed)}
-    for key in (
-        "time_to_target_s",
-        "samples_to_target",
-        "final_reward",
-        "trainer_busy_frac",
-        "inference_busy_frac",
-        "steps_per_s",
-        "mixed_version_frac",
-    ):
-        med, lo, hi = median_range([r[key] for r in per_seed])
-        out[key], out[f"{key}_range"] = med, [lo, hi]
-    out["reached_target"] = sum(r["time_to_target_s"] is not None for r in per_seed)
-    if "final_accuracy" in per_seed[0]:
-        med, lo, hi = median_range([r["final_accuracy"] for r in per_seed])
-        out["final_accuracy"], out["final_accuracy_range"] = med, [lo, hi]
-    for key, range_key in (
-        ("time_to_targets_s", "time_to_targets_range"),
-        ("reward_time_to_targets_s", "reward_time_to_targets_range"),
-    ):
-        if key not in per_seed[0]:
-            continue
-        out[key], ranges = {}, {}
-        for t in per_seed[0][key]:
-            med, lo, hi = median_range([r[key][t] for r in per_seed])
-            out[key][t], ranges[t] = med, [lo, hi]
-        out[range_key] = ranges
-    out["mean_ess"] = statistics.fmean(r["mean_ess"] for r in per_seed)
-    out["min_ess"] = min(r["min_ess"] for r in per_seed)
-    occupancy = [r["inference_occupancy"] for r in per_seed if r.get("inference_occupancy") is not None]
-    out["inference_occupancy"] = statistics.median(occupancy) if occupancy else None
-    out["mean_lag"] = statistics.fmean(r["mean_lag"] for r in per_seed)
-    out["max_lag"] = max(r["max_lag"] for r in per_seed)
-    turns = sorted({i for r in per_seed for i in r.get("lag_by_turn", {})}, key=int)
-    out["lag_by_turn"] = {
-        i: statistics.fmean(r["lag_by_turn"][i] for r in per_seed if i in r.get("lag_by_turn", {})) for i in turns
-    }
-    return out
-
-
-def overlap_bound(trainer_busy: float, engine_busy: float) -> float:
-    """B = (T_gen + T_train) / max(T_gen, T_train) from conventional G=1's busy fractions: the speed-up a perfect
-    overlap of its two alternating sides would give (1: one side does all the work; 2: equal sides)."""
-    return (trainer_busy + engine_busy) / max(trainer_busy, engine_busy)
-
-
-def speedups(results: dict[str, dict]) -> None:
-    """Add, to every mode in place: `speedup_vs_conventional` (conventional G=1's median time to target / this
-    mode's), `speedup_vs_best_conventional` (the fastest conventional G instead), the same per further target, and
-    `throughput_vs_conventional` (median optimizer steps per second, a less noisy view of the same effect), and
-    with a colocated run `speedup_vs_colocated`."""
-    conv = {k: v for k, v in results.items() if k.startswith("conventional")}
-    base = results.get("conventional_G1")
-    coloc = results.get("colocated")
-
-    def ratio(num: float | None, den: float | None) -> float | None:
-        return num / den if num and den else None
-
-    for v in results.values():
-        t = v["time_to_target_s"]
-        best = min((c["time_to_target_s"] for c in conv.values() if c["time_to_target_s"]), default=None)
-        v["speedup_vs_conventional"] = ratio(base and base["time_to_target_s"], t)
-        v["speedup_vs_best_conventional"] = ratio(best, t)
-        v["speedup_vs_conventional_per_target"] = {
-            k: ratio(base and base["time_to_targets_s"][k], x) for k, x in v["time_to_targets_s"].items()
-        }
-        if "reward_time_to_targets_s" in v:  # the sampled reward's view, beside the held-out accuracy's
-            v["reward_speedup_vs_conventional_per_target"] = {
-                k: ratio(base and base["reward_time_to_targets_s"][k], x)
-                for k, x in v["reward_time_to_targets_s"].items()
-            }
-        v["throughput_vs_conventional"] = ratio(v["steps_per_s"], base and base["steps_per_s"])
-        if coloc is not None:
-            v["speedup_vs_colocated"] = ratio(coloc["time_to_target_s"], t)
 
 
 def fmt(x: float | None, spec: str = ".2f") -> str:
@@ -422,13 +165,15 @@ def table(
         "steps/s (vs conv G=1) |"
     )
     pipe = results.get("pipeline", {}).get("speedup_vs_conventional")
+    best = first.get("best_conventional")
     vs_coloc = results.get("pipeline", {}).get("speedup_vs_colocated")
     lines = [
         f"Median (min-max) over {seeds} seeds per mode{f' ({engine} engine)' if engine else ''}; "
         f"target: {metric or f'sampled reward, moving average over {window} steps'}, "
         f">= {target}. Bound B = {fmt(bound)} (conventional G=1's trainer + engine busy fractions / the larger); "
         f"pipeline reached {fmt(pipe)}x conventional G=1, {fmt(pipe / bound if pipe and bound else None)} B"
-        + (f", {fmt(vs_coloc)}x the colocated baseline." if "colocated" in results else "."),
+        + (f", {fmt(vs_coloc)}x the colocated baseline." if "colocated" in results else ".")
+        + (f" Best conventional G (the fastest of those run): {best}." if best else ""),
         "",
         head,
         "|" + "---|" * (head.count("|") - 1),
@@ -460,37 +205,30 @@ def table(
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict], target: float, path: Path) -> bool:
-    """Held-out accuracy (when measured) and sampled reward against time and samples, one curve per seed; ESS."""
-    plt = pyplot()
-    if plt is None:
-        return False
-    has_eval = "eval_curve" in next(iter(results.values()))["seeds"][0]
-    panels = (["accuracy"] if has_eval else []) + ["reward_smooth"]
-    fig, axes = plt.subplots(len(panels), 3, figsize=(17, 4.6 * len(panels)), squeeze=False)
-    ylabel = {"accuracy": "held-out greedy accuracy", "reward_smooth": "sampled reward (moving average)"}
-    for i, (name, v) in enumerate(results.items()):
-        colour = f"C{i}"
-        for k, run in enumerate(v["seeds"]):  # one curve per seed, one colour per mode
-            label = name if k == 0 else None
-            for row, key in enumerate(panels):
-                c = run["eval_curve"] if key == "accuracy" else run["curve"]
-                axes[row][0].plot(c["wall_time_s"], c[key], color=colour, lw=0.9, label=label)
-                axes[row][1].plot(c["samples"], c[key], color=colour, lw=0.9, label=label)
-            ess = run["curve"]["ess"]
-            axes[0][2].plot(range(1, len(ess) + 1), ess, color=colour, lw=0.6, label=label)
-    for row, key in enumerate(panels):
-        for ax, xl in zip(axes[row][:2], ["trainer wall time (s)", "samples"]):
-            if row == 0:
-                ax.axhline(target, color="grey", ls="--", lw=0.8)
-            ax.set_xlabel(xl)
-            ax.set_ylabel(ylabel[key])
-    axes[0][2].set_xlabel("optimizer step")
-    axes[0][2].set_ylabel("ESS")
-    for row in range(1, len(panels)):
-        axes[row][2].axis("off")
-    save_figure(fig, path)
-    return True
+def lag_table(results: dict[str, dict]) -> str:
+    """The long-generation view, where the runs dumped their rollouts: the whole run's token lag p50 / p90 / max
+    (every seed's tokens together), raw and truncated ESS, both sides' busy and blocked fractions, and the mean lag
+    of each tenth of the completion (`lag_pos/<i>`: 1 holds its first tokens). Empty when no mode has dumps."""
+    if not any("token_lag" in v for v in results.values()):
+        return ""
+    tenths = sorted({i for v in results.values() for i in v.get("lag_by_tenth", {})}, key=int)
+    head = (
+        "| mode | token lag p50 / p90 / max | tokens | ESS mean / min | truncated ESS mean / min | "
+        "trainer busy / push blocked | engine busy / send blocked | " + "".join(f"lag, tenth {i} | " for i in tenths)
+    )
+    lines = ["", "", "Token lag over the whole run (rollout dumps), ESS, busy and blocked fractions:", "", head]
+    lines.append("|" + "---|" * (head.count("|") - 1))
+    for name, v in results.items():
+        lag = v.get("token_lag", {})
+        lines.append(
+            f"| {name} | {lag.get('p50', 'n/a')} / {lag.get('p90', 'n/a')} / {lag.get('max', 'n/a')} | "
+            f"{lag.get('tokens', 0)} | {v['mean_ess']:.3f} / {v['min_ess']:.3f} | "
+            f"{fmt(v.get('mean_ess_truncated'), '.3f')} / {fmt(v.get('min_ess_truncated'), '.3f')} | "
+            f"{v['trainer_busy_frac']:.2f} / {fmt(v.get('trainer_push_blocked_frac'))} | "
+            f"{v['inference_busy_frac']:.2f} / {fmt(v.get('inference_send_blocked_frac'))} | "
+            + "".join(f"{fmt(v['lag_by_tenth'].get(i))} | " for i in tenths)
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -499,6 +237,8 @@ def main() -> None:
         saved = json.loads((a.out / "learning_speed.json").read_text())
         if plot(saved["modes"], saved["settings"]["target"], a.out / "learning_speed.png"):
             print(f"plot: {a.out / 'learning_speed.png'}", flush=True)
+        if plot_lag(saved["modes"], a.out / "learning_speed_lag.png"):
+            print(f"token-lag histogram: {a.out / 'learning_speed_lag.png'}", flush=True)
         return
     ts = TASK_SETTINGS[a.task]
     a.config = a.config or TASK_CONFIG[a.task]
@@ -508,16 +248,12 @@ def main() -> None:
     # with held-out accuracy as the metric, the sampled reward's times to its own targets are reported beside it
     reward_targets = sorted({ts.reward_targets[0], *map(float, ts.reward_targets[1].split(","))})
     steps = a.steps or (ts.quick_steps if a.quick else ts.full_steps)
-    modes = a.modes or (
-        ts.quick_modes
-        if a.quick
-        else "pipeline,conventional:1,conventional:2,conventional:4,conventional:8,async,colocated"
-    )
+    modes = a.modes or (ts.quick_modes if a.quick else ts.full_modes)
     eval_size = a.eval_size if a.eval_size is not None else ts.eval_size[0 if a.quick else 1]
     eval_every = a.eval_every or ts.eval_every[0 if a.quick else 1]
     a.out.mkdir(parents=True, exist_ok=True)
     common = [
-        *config_args(a.config, ts),
+        *task_args(a.config, ts),
         f"--world.inference_ranks={a.inference_ranks}",
         f"--rl.max_steps={steps}",
         "--eval.every=0",
@@ -580,6 +316,9 @@ def main() -> None:
             curve = evaluator.curve(out, start_accuracy, until) if evaluator is not None else None
             t_eval = time.time() - t_eval
             r = summarise(recs, target, more_targets, a.window, curve, reward_targets)
+            dumps = read_dumps(out)
+            if dumps:  # the run's exact token lags (metrics.rollouts_every = 1: every step's batch)
+                r["token_lag"] = lag_summary(histogram(dumps))
             per_seed.setdefault(name, []).append(r)
             print(
                 f"{name} seed {seed}: {time.time() - t0:.0f} s in all (evaluation {t_eval:.0f} s), time to target "
@@ -604,6 +343,7 @@ def main() -> None:
             f"| {name} | " + " | ".join(f"{v[i]:.2f}" if i in v else "-" for i in turns) + " |"
             for name, v in by_turn.items()
         )
+    md += lag_table(results)
     print(md, flush=True)
     meta = {
         "task": a.task,
@@ -633,6 +373,8 @@ def main() -> None:
     (a.out / "learning_speed.md").write_text(md + "\n")
     if plot(results, target, a.out / "learning_speed.png"):
         print(f"plot: {a.out / 'learning_speed.png'}", flush=True)
+    if plot_lag(results, a.out / "learning_speed_lag.png"):
+        print(f"token-lag histogram: {a.out / 'learning_speed_lag.png'}", flush=True)
     print(f"JSON: {a.out / 'learning_speed.json'}; TensorBoard: tensorboard --logdir {a.out / 'runs'}", flush=True)
 
 
