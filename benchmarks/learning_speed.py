@@ -214,7 +214,7 @@ def lag_table(results: dict[str, dict]) -> str:
     tenths = sorted({i for v in results.values() for i in v.get("lag_by_tenth", {})}, key=int)
     head = (
         "| mode | token lag p50 / p90 / max | tokens | ESS mean / min | truncated ESS mean / min | "
-        "trainer busy / push blocked | engine busy / send blocked | " + "".join(f"lag, tenth {i} | " for i in tenths)
+        "trainer busy / push blocked | engine busy / send blocked |" + "".join(f" lag, tenth {i} |" for i in tenths)
     )
     lines = ["", "", "Token lag over the whole run (rollout dumps), ESS, busy and blocked fractions:", "", head]
     lines.append("|" + "---|" * (head.count("|") - 1))
@@ -225,8 +225,8 @@ def lag_table(results: dict[str, dict]) -> str:
             f"{lag.get('tokens', 0)} | {v['mean_ess']:.3f} / {v['min_ess']:.3f} | "
             f"{fmt(v.get('mean_ess_truncated'), '.3f')} / {fmt(v.get('min_ess_truncated'), '.3f')} | "
             f"{v['trainer_busy_frac']:.2f} / {fmt(v.get('trainer_push_blocked_frac'))} | "
-            f"{v['inference_busy_frac']:.2f} / {fmt(v.get('inference_send_blocked_frac'))} | "
-            + "".join(f"{fmt(v['lag_by_tenth'].get(i))} | " for i in tenths)
+            f"{v['inference_busy_frac']:.2f} / {fmt(v.get('inference_send_blocked_frac'))} |"
+            + "".join(f" {fmt(v['lag_by_tenth'].get(i))} |" for i in tenths)
         )
     return "\n".join(lines)
 

@@ -1,7 +1,8 @@
 """Stale KV, measured: the pipeline job with the KV cache of sequences in flight kept at every update, recomputed
-at every update, or recomputed once more than one version old (`inference.kv_max_age` = -1, 0, 1), over seeds.
+at every update, or recomputed once more than K versions old (`inference.kv_max_age` = -1, 0, K), over seeds.
 
     python -m benchmarks.stale_kv --task chain_sum --quick            # the long-tail task, 3 seeds per setting
+    python -m benchmarks.stale_kv --task long_tail                    # the long-generation preset: ages -1, 0, 1, 4
     python -m benchmarks.stale_kv --ages=-1,0 --seeds 5 -- --steps 32  # after --: more learning_speed options
 
 Each setting is one `learning_speed --modes pipeline` run (its task preset, warm start, exports and held-out
@@ -10,8 +11,9 @@ greedy evaluation) with `--extra=--inference.kv_max_age=K`, into OUT/age<K>/ (a 
 and range over seeds), final accuracy, ESS, lag, the share of sequences spanning an update, and from every step's
 metrics: `mismatch_kl_after_update` (engine vs trainer on lag-0 tokens sampled after an update within their
 sequence: what a kept cache changes), `mismatch_kl` over all lag-0 tokens and by position in the completion,
-sequences recomputed per step, the mean pause per update (where the engines recompute) and the engines' tokens
-per busy second.
+sequences recomputed per step, the mean pause per update (where the engines recompute), the engines' tokens
+per busy second and, on the long-generation tasks (`--task long_tail`: ages -1, 0, 1, 4 by default), the whole run's
+token lag p50 / p90 / max from the rollout dumps.
 Writes stale_kv.{json,md} under --out.
 """
 
@@ -28,11 +30,20 @@ from pathlib import Path
 from benchmarks.harness import RESULTS, ROOT, read_metrics, report
 from pipelinerl_fsdp.rl.loss import position_bin_names
 
+# the default ages of the long-generation tasks: their longest sequences span several updates, so a cache kept up
+# to 4 versions old is a setting of its own
+LONG_AGES = {"long_tail": "-1,0,1,4", "long_uniform": "-1,0,1,4"}
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="chain_sum", help="learning_speed's --task")
-    p.add_argument("--ages", default="-1,0,1", help="comma list of inference.kv_max_age settings")
+    p.add_argument(
+        "--ages",
+        default=None,
+        help="comma list of inference.kv_max_age settings (default: -1,0,1; -1,0,1,4 on the long-generation tasks, "
+        "whose sequences span several updates)",
+    )
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="learning_speed --quick (fewer steps, smaller eval set)")
     p.add_argument("--summarise", action="store_true", help="no runs: the table from what --out holds")
@@ -64,6 +75,8 @@ def setting_summary(folder: Path) -> dict:
         "mean_ess": mode["mean_ess"],
         "min_ess": mode["min_ess"],
         "mean_lag": mode["mean_lag"],
+        # the whole run's token lag (rollout dumps: the long-generation tasks), every seed's tokens together
+        "token_lag": {k: mode["token_lag"][k] for k in ("p50", "p90", "max")} if "token_lag" in mode else None,
         "mixed_version_frac": mode["mixed_version_frac"],
         "mismatch_kl_after_update": finite_mean([r.get("mismatch_kl_after_update") for r in recs]),
         "lag0_after_update_frac": finite_mean([r.get("lag0_after_update_frac") for r in recs]),
@@ -84,7 +97,7 @@ def setting_summary(folder: Path) -> dict:
 
 def main() -> None:
     a = parse_args()
-    ages = [int(x) for x in a.ages.split(",")]
+    ages = [int(x) for x in (a.ages or LONG_AGES.get(a.task, "-1,0,1")).split(",")]
     results = {}
     for age in ages:
         folder = a.out / f"age{age}"
@@ -101,7 +114,8 @@ def main() -> None:
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
     columns = ["kv_max_age", "time to target s (range)", "reached", "final acc", "ESS mean (min)", "lag mean",
-               "mixed-version seqs", "mismatch_kl after update", "share of lag-0 after update", "mismatch_kl all lag-0",
+               "token lag p50/p90/max", "mixed-version seqs", "mismatch_kl after update", "share of lag-0 after update",
+               "mismatch_kl all lag-0",
                "recomputed seqs/step", "pause per update ms", "gen tokens/busy s", "steps/s",
                *(f"mismatch_kl pos {name}" for name in position_bin_names())]  # fmt: skip
     rows = []
@@ -109,6 +123,7 @@ def main() -> None:
         lo, hi = r["time_to_target_range"]
         rows.append([age, f"{fmt(r['time_to_target_s'], '.1f')} ({fmt(lo, '.1f')}-{fmt(hi, '.1f')})", r["reached"],
                      fmt(r["final_accuracy"]), f"{r['mean_ess']:.4f} ({r['min_ess']:.3f})", fmt(r["mean_lag"]),
+                     "/".join(str(r["token_lag"][k]) for k in ("p50", "p90", "max")) if r["token_lag"] else "-",
                      fmt(r["mixed_version_frac"]), fmt(r["mismatch_kl_after_update"]),
                      fmt(r["lag0_after_update_frac"]), fmt(r["mismatch_kl"]), fmt(r["kv_recomputed_per_step"]),
                      fmt(r["update_pause_ms"], ".1f"), fmt(r["gen_tokens_per_busy_s"], ".0f"), fmt(r["steps_per_s"]),

@@ -65,6 +65,8 @@ def test_speedups_are_ratios_of_medians_against_g1_and_the_best_g():
     assert results["conventional_G1"]["speedup_vs_conventional"] == pytest.approx(1.0)
     text = ls.table(results, 0.5, 10, st.overlap_bound(0.6, 0.4), 3)
     assert "Bound B = 1.67" in text and "pipeline reached 2.00x conventional G=1, 1.20 B" in text
+    # the fastest conventional G of those run (median 16.0 against G=1's 22.0) is named
+    assert p["best_conventional"] == "conventional_G4" and "Best conventional G (the fastest of those run): " in text
 
 
 def test_the_colocated_baseline_is_compared_but_never_counted_as_a_conventional_g():
@@ -253,3 +255,45 @@ def test_each_task_s_config_and_presets_load_as_one_job_config(task):
         assert tasks.config_args("arithmetic", ts) == ["--config", "arithmetic", "--config", "chain_sum"]
         assert (cfg.task.max_terms, cfg.rl.batch_size, cfg.rl.waves, cfg.trainer.optimizer.lr) == (12, 128, 4, 1.5e-5)
         assert cfg.warmstart.path == "outputs/warmstart/chain_sum-debug-heldout1024"
+
+
+def test_the_long_generation_numbers_are_summarised_per_run_and_merged_over_seeds():
+    """Truncated ESS, blocked fractions and the lag by tenth per run (NaN steps and steps without the metric left
+    out), then over seeds: the token-lag histograms merged before their percentiles are taken."""
+    recs = step_records([0.5, 0.6, 0.7])
+    nan = float("nan")
+    extra = [
+        {"ess_truncated": 0.9, "trainer_push_blocked_frac": 0.1, "inference_send_blocked_frac": 0.2, "lag_pos/1": 3.0},
+        {"ess_truncated": 0.7, "trainer_push_blocked_frac": 0.3, "lag_pos/1": 1.0, "lag_pos/10": 0.5},
+        {"ess_truncated": nan, "lag_pos/10": nan},
+    ]
+    for r, x in zip(recs, extra):
+        r.update(x)
+    s = st.summarise(recs, 0.9, [], 1)
+    assert s["mean_ess_truncated"] == pytest.approx(0.8) and s["min_ess_truncated"] == pytest.approx(0.7)
+    assert s["trainer_push_blocked_frac"] == pytest.approx(0.2)
+    assert s["inference_send_blocked_frac"] == pytest.approx(0.2)  # the one step that logged it
+    assert s["lag_by_tenth"] == {"1": pytest.approx(2.0), "10": pytest.approx(0.5)}
+    assert s["curve"]["ess_truncated"][:2] == [0.9, 0.7]
+    old = st.summarise(step_records([0.5]), 0.9, [], 1)  # a run from before these metrics
+    assert old["mean_ess_truncated"] is None and old["trainer_push_blocked_frac"] is None and old["lag_by_tenth"] == {}
+
+    seeds = [
+        {**run(10.0), "token_lag": {"hist": {"0": 6, "1": 2}}, "lag_by_tenth": {"1": 2.0}, "mean_ess_truncated": 0.8,
+         "min_ess_truncated": 0.7, "trainer_push_blocked_frac": 0.2, "inference_send_blocked_frac": 0.1},
+        {**run(20.0), "token_lag": {"hist": {"1": 1, "4": 1}}, "lag_by_tenth": {"1": 4.0, "10": 1.0},
+         "mean_ess_truncated": 0.6, "min_ess_truncated": 0.5, "trainer_push_blocked_frac": 0.4,
+         "inference_send_blocked_frac": 0.3},
+    ]  # fmt: skip
+    agg = st.aggregate(seeds)
+    # merged: {0: 6, 1: 3, 4: 1}, 10 tokens; cumulative 6, 9, 10: p50 at lag 0, p90 (9 tokens) at lag 1
+    assert (agg["token_lag"]["p50"], agg["token_lag"]["p90"], agg["token_lag"]["max"]) == (0, 1, 4)
+    assert agg["token_lag"]["hist"] == {"0": 6, "1": 3, "4": 1} and agg["token_lag"]["tokens"] == 10
+    assert agg["lag_by_tenth"] == {"1": pytest.approx(3.0), "10": pytest.approx(1.0)}
+    assert agg["mean_ess_truncated"] == pytest.approx(0.7) and agg["min_ess_truncated"] == pytest.approx(0.5)
+    assert agg["trainer_push_blocked_frac"] == pytest.approx(0.3)
+    results = {"pipeline": agg}
+    st.speedups(results)
+    text = ls.lag_table(results)
+    assert "| pipeline | 0 / 1 / 4 | 10 |" in text and "| 3.00 | 1.00 |" in text
+    assert ls.lag_table({"pipeline": st.aggregate([run(10.0)])}) == ""  # no dumps: no second table
