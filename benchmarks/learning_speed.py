@@ -226,7 +226,7 @@ def lag_table(results: dict[str, dict]) -> str:
             f"{fmt(v.get('mean_ess_truncated'), '.3f')} / {fmt(v.get('min_ess_truncated'), '.3f')} | "
             f"{v['trainer_busy_frac']:.2f} / {fmt(v.get('trainer_push_blocked_frac'))} | "
             f"{v['inference_busy_frac']:.2f} / {fmt(v.get('inference_send_blocked_frac'))} |"
-            + "".join(f" {fmt(v['lag_by_tenth'].get(i))} |" for i in tenths)
+            + "".join(f" {fmt(v.get('lag_by_tenth', {}).get(i))} |" for i in tenths)
         )
     return "\n".join(lines)
 
@@ -316,9 +316,9 @@ def main() -> None:
             curve = evaluator.curve(out, start_accuracy, until) if evaluator is not None else None
             t_eval = time.time() - t_eval
             r = summarise(recs, target, more_targets, a.window, curve, reward_targets)
-            dumps = read_dumps(out)
-            if dumps:  # the run's exact token lags (metrics.rollouts_every = 1: every step's batch)
-                r["token_lag"] = lag_summary(histogram(dumps))
+            hist = histogram(read_dumps(out))
+            if hist:  # the run's exact token lags (metrics.rollouts_every = 1: every step's batch)
+                r["token_lag"] = lag_summary(hist)
             per_seed.setdefault(name, []).append(r)
             print(
                 f"{name} seed {seed}: {time.time() - t0:.0f} s in all (evaluation {t_eval:.0f} s), time to target "

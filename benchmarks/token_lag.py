@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from pipelinerl_fsdp.samples import ENV_VERSION
@@ -40,14 +40,12 @@ def histogram(records: Iterable[dict]) -> dict[int, int]:
     return dict(sorted(total.items()))
 
 
-def read_dumps(output_dir: Path) -> list[dict]:
-    """Every record of a run's rollout dumps, step by step (empty when the run wrote none)."""
-    return [
-        json.loads(line)
-        for path in sorted((output_dir / "rl" / "rollouts").glob("step-*.jsonl"))
-        for line in path.read_text().splitlines()
-        if line.strip()
-    ]
+def read_dumps(output_dir: Path) -> Iterator[dict]:
+    """Every record of a run's rollout dumps, step by step (none when the run wrote none), one at a time: a long run's
+    dumps hold every completion's text (hundreds of MB), so they are read line by line, never all at once."""
+    for path in sorted((output_dir / "rl" / "rollouts").glob("step-*.jsonl")):
+        with path.open() as f:
+            yield from (json.loads(line) for line in f if line.strip())
 
 
 def merge(hists: Iterable[dict]) -> dict[int, int]:

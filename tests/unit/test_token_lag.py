@@ -39,9 +39,9 @@ def test_seeds_merge_with_keys_read_back_from_json():
 
 
 def test_dumps_are_read_step_by_step_from_the_run_s_rollouts_folder(tmp_path):
-    assert tl.read_dumps(tmp_path) == []  # a run without dumps
+    assert list(tl.read_dumps(tmp_path)) == []  # a run without dumps
     folder = tmp_path / "rl" / "rollouts"
     folder.mkdir(parents=True)
     (folder / "step-0000002.jsonl").write_text(json.dumps(MULTI_TURN) + "\n")
     (folder / "step-0000001.jsonl").write_text(json.dumps(SPANNING) + "\n\n")
-    assert tl.read_dumps(tmp_path) == [SPANNING, MULTI_TURN]
+    assert list(tl.read_dumps(tmp_path)) == [SPANNING, MULTI_TURN]
