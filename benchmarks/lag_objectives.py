@@ -178,7 +178,7 @@ def main() -> None:
             results[name] = variant_summary(folder)
     rows = [row(n, results[twins.get(n, n)], twins.get(n)) for n in names if twins.get(n, n) in results]
     columns = ["variant", "time to target s (range)", "samples to target (range)", "reached", "final acc",
-               "ESS raw / truncated", "ESS first / last tenth", "|log ratio| first / last tenth", "masked share",
+               "ESS raw / truncated", "ESS first / last tenth", "abs log ratio first / last tenth", "masked share",
                "token lag p50/p90/max"]  # fmt: skip
     target = next(iter(results.values()))["target"] if results else None
     title = f"Objectives under early-token lag on {a.task}: pipeline, {a.seeds} seeds per variant, target {target}"
