@@ -31,6 +31,10 @@ class LossConfig:
     mask: Literal["none", "token", "sequence"] = "none"
     mask_low: float = 0.5
     mask_high: float = 2.0
+    # lag masking: completion tokens sampled more than max_token_lag versions before the version being trained leave
+    # the loss (weight 0, like the mismatch mask's; counted in masked_frac); -1: off. Unlike rl.max_lag, which drops
+    # whole samples, it keeps a long completion's recent tokens
+    max_token_lag: int = -1
     # truncated completions (cut at task.max_new_tokens) leave the loss; they still count in their group's baseline
     overlong_filter: bool = False
     # DAPO's soft overlong punishment: a completion longer than (1 - overlong_buffer) x task.max_new_tokens has its
@@ -45,6 +49,7 @@ class LossConfig:
             [
                 ("mask_low", 0 < self.mask_low <= 1, "in (0, 1]"),
                 ("mask_high", self.mask_high >= 1, ">= 1"),
+                ("max_token_lag", self.max_token_lag >= -1, ">= 0, or -1 (off)"),
                 ("overlong_buffer", 0 <= self.overlong_buffer < 1, "in [0, 1) (a fraction of task.max_new_tokens)"),
                 ("overlong_penalty", self.overlong_penalty >= 0, ">= 0"),
             ]

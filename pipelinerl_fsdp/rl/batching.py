@@ -10,6 +10,7 @@ import torch
 from pipelinerl_fsdp.episodes import turn_indices
 from pipelinerl_fsdp.rl.loss import LossInput
 from pipelinerl_fsdp.rl.packing import PackedRow, pack_into_bins, pack_row, per_target
+from pipelinerl_fsdp.rl.positions import completion_tenths
 from pipelinerl_fsdp.samples import ENV_VERSION, Sample
 
 
@@ -59,13 +60,16 @@ def rl_micro_batches(
     `version`, field `current` marks the completion tokens that version sampled (lag 0: where engine and trainer
     log-probs should agree, see `rl.loss.policy_loss`) and `after_update` those sampled after an in-flight update
     within their sequence (`after_update_marks`), and `position` is each completion token's index in its completion
-    (-1 on prompt targets), for the mismatch per position, and `turn` the index of its model turn (from 1; 0 on
-    prompt targets and environment tokens), for the ESS per turn. Field `weight` is each token's sample's loss weight
-    (`Sample.loss_weight`, rl/normalization.py)."""
+    (-1 on prompt targets), for the mismatch per position, `tenth` its relative position (`rl.positions.
+    completion_tenths`: 1..10; 0 on prompt targets and environment tokens), for the ESS and |log ratio| per tenth,
+    `turn` the index of its model turn (from 1; 0 on prompt targets and environment tokens), for the ESS per turn,
+    and `lag` the versions between `version` and the one that sampled it (0 on prompt targets and environment
+    tokens), for `loss.max_token_lag`. Field `weight` is each token's sample's loss weight (`Sample.loss_weight`,
+    rl/normalization.py)."""
     seqs: list[list[int]] = []
     per_token: dict[str, list[list[float]]] = {"mask": [], "behaviour_logp": [], "advantage": [], "weight": []}
     if version is not None:
-        per_token.update(current=[], after_update=[], position=[], turn=[])
+        per_token.update(current=[], after_update=[], position=[], tenth=[], turn=[], lag=[])
     for s in samples:
         seqs.append(s.prompt_ids + s.completion_ids)
         n_prompt_targets = len(s.prompt_ids) - 1
@@ -79,7 +83,10 @@ def rl_micro_batches(
             per_token["current"].append([0.0] * n_prompt_targets + [float(v == version) for v in s.versions])
             per_token["after_update"].append([0.0] * n_prompt_targets + after_update_marks(s.versions))
             per_token["position"].append([-1.0] * n_prompt_targets + [float(i) for i in range(n)])
+            per_token["tenth"].append([0.0] * n_prompt_targets + [float(i) for i in completion_tenths(s.versions)])
             per_token["turn"].append([0.0] * n_prompt_targets + [float(i) for i in turn_indices(s.versions)])
+            lags = [float(version - v) if v != ENV_VERSION else 0.0 for v in s.versions]
+            per_token["lag"].append([0.0] * n_prompt_targets + lags)
     out = []
     for b in pack_into_bins([len(s) for s in seqs], budget):
         row_seqs = [seqs[i] for i in b]

@@ -1,6 +1,7 @@
-"""The RL step's loss around the chosen objective (`loss.name`, rl/objectives/): the engine/trainer mismatch mask,
-the per-sample normalisation weights (rl/normalization.py), an optional KL penalty to a frozen reference (k3
-estimator), and the sums behind the step's ESS, clipping and mismatch metrics (docs/objective.md).
+"""The RL step's loss around the chosen objective (`loss.name`, rl/objectives/): the engine/trainer mismatch mask
+and the lag mask (`loss.max_token_lag`), the per-sample normalisation weights (rl/normalization.py), an optional KL
+penalty to a frozen reference (k3 estimator), and the sums behind the step's ESS, clipping and mismatch metrics
+(docs/objective.md).
 
 All inputs are per output token of one packed micro-batch, flattened; `mask` is 1 on the tokens that count
 (generated tokens), 0 elsewhere.
@@ -15,6 +16,7 @@ import torch
 from pipelinerl_fsdp.config import LossConfig
 from pipelinerl_fsdp.records import MAX, SUM, stat
 from pipelinerl_fsdp.rl.objectives import OBJECTIVES, Tokens
+from pipelinerl_fsdp.rl.positions import TENTHS
 
 # |log pi_ref - log pi| is clamped here before exp() in the k3 estimator: one token the policy has moved far from
 # the reference would otherwise give an unbounded penalty and gradient (PipelineRL clamps it the same way).
@@ -51,8 +53,10 @@ class LossInput:
     current: torch.Tensor | None = None  # 1 on the tokens the trained version sampled (lag 0)
     after_update: torch.Tensor | None = None  # 1 on tokens sampled after an in-flight update within their sequence
     position: torch.Tensor | None = None  # each token's index in its completion
+    tenth: torch.Tensor | None = None  # each token's tenth of its completion (rl/positions.py: 1..10; 0 elsewhere)
     turn: torch.Tensor | None = None  # each token's model-turn index, from 1 (0 elsewhere)
     ref_logp: torch.Tensor | None = None  # log-probs under the frozen reference model (rl.kl_coef > 0)
+    lag: torch.Tensor | None = None  # trained version - the token's version (loss.max_token_lag; 0 off the mask)
 
 
 @dataclass
@@ -65,7 +69,7 @@ class LossStats:
     sum_w: float = stat(SUM)  # the weights the update applies (truncated, or PPO-type objectives' unclipped ratio)
     sum_w2: float = stat(SUM)
     tokens: float = stat(SUM)
-    kept: float = stat(SUM)  # tokens the mismatch mask keeps: those the update's weights (sum_w) are over
+    kept: float = stat(SUM)  # tokens both masks keep: those the update's weights (sum_w) are over
     entropy: float = stat(SUM)  # of the counted tokens (`micro_batch_loss`)
     clipped: float = stat(SUM)
     kl: float = stat(SUM)  # k3 to the reference model, when rl.kl_coef > 0
@@ -76,7 +80,7 @@ class LossStats:
     # ...those of them sampled after an in-flight update within their sequence
     lag0_after_update_tokens: float = stat(SUM)
     lag0_after_update_k3: float = stat(SUM)
-    masked: float = stat(SUM)  # tokens the mismatch mask left out
+    masked: float = stat(SUM)  # tokens the mismatch mask or the lag mask (loss.max_token_lag) left out
     mis_tokens: float = stat(SUM)  # tokens the token rule would leave out with [mask_low, mask_high]
     mis_seqs: float = stat(SUM)  # sequences the sequence rule would
     sequences: float = stat(SUM)
@@ -88,6 +92,11 @@ class LossStats:
     turn_tokens: tuple[float, ...] = stat(SUM, size=TURN_BINS)
     turn_rho: tuple[float, ...] = stat(SUM, size=TURN_BINS)
     turn_rho2: tuple[float, ...] = stat(SUM, size=TURN_BINS)
+    # tokens, sum rho, sum rho^2 and sum |log rho| per tenth of their completion (rl/positions.py), all lags
+    tenth_tokens: tuple[float, ...] = stat(SUM, size=TENTHS)
+    tenth_rho: tuple[float, ...] = stat(SUM, size=TENTHS)
+    tenth_rho2: tuple[float, ...] = stat(SUM, size=TENTHS)
+    tenth_abs_log_ratio: tuple[float, ...] = stat(SUM, size=TENTHS)
 
 
 def mismatch_masks(t: Tokens, low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +116,7 @@ def policy_loss(
     """Loss of one micro-batch, `logp` the trainer's log-probs of its tokens: sum_t weight_t * keep_t * L_t
     (+ kl_coef * sum_t weight_t * k3_t with `batch.ref_logp`), L_t the objective's per-token loss (`cfg.name`),
     weight_t its sample's normalisation weight (`loss.normalize`), keep_t the mismatch mask (`loss.mask`: 1
-    everywhere with "none").
+    everywhere with "none") times the lag mask (`loss.max_token_lag` k >= 0: 0 where `batch.lag` > k).
 
     Returns the loss and its statistics (`LossStats`): the raw importance weights rho = pi / mu (the paper's ESS)
     and the weights the update applies (the truncated ones for REINFORCE-type objectives, the unclipped ratio for
@@ -117,7 +126,8 @@ def policy_loss(
     KL(engine || trainer), rho - 1 - log rho on the engine's samples, and |log rho| are summed there; also over
     those `batch.after_update` marks (sampled over a KV cache older weights computed, unless the engine recomputed
     it), and per range of POSITION_BINS (`batch.position`). With `batch.turn`: tokens, sum rho and sum rho^2 per
-    turn index (up to TURN_BINS, the last counting every later turn).
+    turn index (up to TURN_BINS, the last counting every later turn). With `batch.tenth`: tokens, sum rho, sum rho^2
+    and sum |log rho| per tenth of the completion, over every counted token whatever its lag.
     """
     objective = OBJECTIVES.get(cfg.name)
     if objective is None:
@@ -129,6 +139,10 @@ def policy_loss(
     t = Tokens(logp, log_ratio, b.advantage, mask, seq, n_seq)
     token_keep, seq_keep = mismatch_masks(t, cfg.mask_low, cfg.mask_high)
     keep = {"none": torch.ones_like(mask), "token": token_keep, "sequence": seq_keep}[cfg.mask]
+    if cfg.max_token_lag >= 0:
+        if b.lag is None:
+            raise ValueError("loss.max_token_lag needs each token's lag: rl_micro_batches(..., version=)")
+        keep = keep * (b.lag <= cfg.max_token_lag).to(keep.dtype)
     out = objective(t, cfg)
     counted = mask * keep
     loss = (out.loss * counted * b.weight).sum()
@@ -182,7 +196,22 @@ def policy_loss(
         stats.turn_tokens = tuple(float(m.sum()) for m in turns)
         stats.turn_rho = tuple(float((rho * m).sum()) for m in turns)
         stats.turn_rho2 = tuple(float((rho * rho * m).sum()) for m in turns)
+    if b.tenth is not None:
+        (stats.tenth_tokens, stats.tenth_rho, stats.tenth_rho2, stats.tenth_abs_log_ratio) = tenth_sums(
+            b.tenth, mask, log_ratio.detach()
+        )
     return loss, stats
+
+
+def tenth_sums(tenth: torch.Tensor, mask: torch.Tensor, log_ratio: torch.Tensor) -> list[tuple[float, ...]]:
+    """Per tenth 1..TENTHS of the completion (`tenth`, 0: none), over the tokens where `mask` is 1: their count, sum
+    rho, sum rho^2 and sum |log rho|, rho = exp(log_ratio). One index_add and one copy to the host (a sync on GPU)
+    for all four."""
+    rho = torch.exp(log_ratio)
+    rows = torch.stack([torch.ones_like(rho), rho, rho * rho, log_ratio.abs()])
+    rows = torch.where(mask > 0, rows, torch.zeros_like(rows))  # a prompt position's log ratio is not a token's
+    sums = torch.zeros(4, TENTHS + 1, dtype=rows.dtype, device=rows.device).index_add(1, tenth.long(), rows)
+    return [tuple(row) for row in sums[:, 1:].tolist()]
 
 
 def lag0_mismatch_sums(log_ratio: torch.Tensor, lag0: torch.Tensor) -> tuple[float, float, float]:

@@ -11,6 +11,7 @@ from pipelinerl_fsdp.episodes import turn_spans
 from pipelinerl_fsdp.rewards.outcomes import OUTCOMES
 from pipelinerl_fsdp.rl.ess import ess_from_sums
 from pipelinerl_fsdp.rl.loss import LossStats, position_bin_names
+from pipelinerl_fsdp.rl.positions import TENTHS, completion_tenths
 from pipelinerl_fsdp.samples import ENV_VERSION, EngineStats, Sample, model_versions
 
 
@@ -41,6 +42,61 @@ def token_lags(samples: list[Sample], trained_version: int) -> list[int]:
     """Per sampled completion token (environment tokens have no version): versions between the weights trained
     (`trained_version`) and those that sampled it."""
     return [trained_version - v for s in samples for v in model_versions(s.versions)]
+
+
+# `lag_frac/<bin>`: the step's token lags by range, inclusive (None: no upper end)
+LAG_BINS: tuple[tuple[int, int | None], ...] = ((0, 0), (1, 1), (2, 2), (3, 3), (4, 7), (8, 15), (16, None))
+
+
+def lag_bin_names() -> list[str]:
+    """Names of LAG_BINS: "0", "1", "2", "3", "4-7", "8-15", "16+"."""
+    return [f"{lo}" if hi == lo else f"{lo}+" if hi is None else f"{lo}-{hi}" for lo, hi in LAG_BINS]
+
+
+def nearest_rank(sorted_values: list[int], p: int) -> float:
+    """The p-th percentile (p in 1..100) by nearest rank: the value at rank ceil(p N / 100) (from 1) of the N values
+    sorted ascending, the smallest value that at least p% of the values do not exceed (so always one of them; the
+    median of an even count is the lower middle one). NaN when there are none."""
+    if not 1 <= p <= 100:
+        raise ValueError(f"percentile {p} outside 1..100")
+    if not sorted_values:
+        return float("nan")
+    return float(sorted_values[-(-p * len(sorted_values) // 100) - 1])
+
+
+def lag_distribution(samples: list[Sample], trained_version: int) -> dict[str, float]:
+    """The spread of the step's per-token lags (`token_lags`): `lag_p50`, `lag_p90` (`nearest_rank`);
+    `lag_frac/<bin>`, the share of the sampled tokens whose lag falls in each range of LAG_BINS (summing to 1);
+    `lag_pos/<i>`, the mean lag of the tokens in the i-th tenth of their completion (rl/positions.py), i = 1..10.
+    NaN where there is no token to measure (a tenth no completion reached: completions under 10 tokens)."""
+    lags = sorted(token_lags(samples, trained_version))
+    n = len(lags)
+    out = {"lag_p50": nearest_rank(lags, 50), "lag_p90": nearest_rank(lags, 90)}
+    for name, (lo, hi) in zip(lag_bin_names(), LAG_BINS):
+        inside = sum(1 for x in lags if x >= lo and (hi is None or x <= hi))
+        out[f"lag_frac/{name}"] = inside / n if n else float("nan")
+    total, count = [0.0] * TENTHS, [0] * TENTHS
+    for s in samples:
+        for v, t in zip(s.versions, completion_tenths(s.versions)):
+            if t:  # a policy's token (environment tokens have no tenth)
+                total[t - 1] += trained_version - v
+                count[t - 1] += 1
+    for i in range(TENTHS):
+        out[f"lag_pos/{i + 1}"] = total[i] / count[i] if count[i] else float("nan")
+    return out
+
+
+def position_metrics(sums: LossStats) -> dict[str, float]:
+    """Per tenth i = 1..10 of the completions (rl/positions.py), over all their sampled tokens whatever the lag:
+    `ess_pos/<i>`, the ESS of the raw importance weights there (as `ess`), and `abs_log_ratio_pos/<i>`, the mean
+    |log pi_theta - log mu|. The first tenth against the last: whether the early, staler tokens of long completions
+    carry less of the learning signal. NaN for a tenth with no token."""
+    out = {}
+    for i, (n, rho, rho2) in enumerate(zip(sums.tenth_tokens, sums.tenth_rho, sums.tenth_rho2), 1):
+        out[f"ess_pos/{i}"] = ess_from_sums(rho, rho2, n)
+    for i, (n, a) in enumerate(zip(sums.tenth_tokens, sums.tenth_abs_log_ratio), 1):
+        out[f"abs_log_ratio_pos/{i}"] = a / n if n > 0 else float("nan")
+    return out
 
 
 def zero_advantage_group_frac(samples: list[Sample]) -> float:
@@ -147,11 +203,13 @@ def step_metrics(
         **occupancy,
         **episodes,
         **outcome_fractions(samples),
+        **lag_distribution(samples, trained_version),
+        **position_metrics(sums),
         "reward_mean": sum(s.reward for s in samples) / len(samples),
         # the paper's ESS, of the raw importance weights; and of the weights the loss applies (truncated at c)
         "ess": ess_from_sums(sums.sum_rho, sums.sum_rho2, sums.tokens),
-        # over the tokens the update keeps: a token the mismatch mask leaves out has no weight at all, so counting
-        # it would read three kept on-policy tokens of four as 0.75
+        # over the tokens the update keeps: a token the mismatch or lag mask leaves out has no weight at all, so
+        # counting it would read three kept on-policy tokens of four as 0.75
         "ess_truncated": ess_from_sums(sums.sum_w, sums.sum_w2, sums.kept),
         "lag_mean": sum(lags) / max(len(lags), 1),
         "lag_max": max(lags, default=0),
@@ -160,7 +218,7 @@ def step_metrics(
         "mixed_version_frac": sum(1 for s in samples if len(set(model_versions(s.versions))) > 1) / len(samples),
         "entropy": sums.entropy / tokens,
         "is_clipped_frac": sums.clipped / tokens,
-        # engine/trainer mismatch masking (loss.mask): tokens it left out of the loss, and the tokens / sequences
+        # masking (loss.mask, loss.max_token_lag): tokens left out of the loss; and the tokens / sequences
         # the token / sequence rule would leave out with [loss.mask_low, loss.mask_high] whichever rule is on;
         # the largest raw ratio pi / mu of the step
         "masked_frac": sums.masked / tokens,

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from pipelinerl_fsdp.records import MAX, SUM, combine, from_values, reduction, stat, total, values
 from pipelinerl_fsdp.rl.loss import POSITION_BINS, TURN_BINS, LossStats
+from pipelinerl_fsdp.rl.positions import TENTHS
 from pipelinerl_fsdp.samples import EngineStats
 from pipelinerl_fsdp.training import train_step
 
@@ -49,13 +50,20 @@ def test_the_job_records_declare_a_reduction_for_every_field():
     assert EngineStats().pause_ms_max == 0.0  # a pause is never negative: none yet is 0, as before
     loss = {f.name: reduction(f) for f in dataclasses.fields(LossStats)}
     assert loss.pop("max_log_ratio") == MAX and set(loss.values()) == {SUM}
-    assert len(values(LossStats())) == 19 + 2 * len(POSITION_BINS) + 3 * TURN_BINS  # 19 scalars, 5 tuples
+    # 19 scalars, 9 tuples
+    assert len(values(LossStats())) == 19 + 2 * len(POSITION_BINS) + 3 * TURN_BINS + 4 * TENTHS
 
 
 def test_reduce_over_ranks_is_one_all_reduce_per_reduction_and_combines_like_the_fields_say():
     """Two ranks, the other's record given: every field reduced as `combine` would."""
     mine = LossStats(tokens=3.0, sum_rho=2.5, max_log_ratio=0.25, turn_tokens=(1.0,) * TURN_BINS)
-    other = LossStats(tokens=4.0, sum_rho=1.0, max_log_ratio=1.5, lag0_k3_pos=(0.5,) * len(POSITION_BINS))
+    other = LossStats(
+        tokens=4.0,
+        sum_rho=1.0,
+        max_log_ratio=1.5,
+        lag0_k3_pos=(0.5,) * len(POSITION_BINS),
+        tenth_rho2=tuple(float(i) for i in range(TENTHS)),
+    )
     ops = []
 
     def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
@@ -69,3 +77,4 @@ def test_reduce_over_ranks_is_one_all_reduce_per_reduction_and_combines_like_the
     assert sorted(ops) == [MAX, SUM]
     assert reduced == combine(mine, other)
     assert reduced.max_log_ratio == 1.5 and reduced.tokens == 7.0 and reduced.turn_tokens[0] == 1.0
+    assert reduced.tenth_rho2 == tuple(float(i) for i in range(TENTHS))  # the tenth sums too, element by element

@@ -83,14 +83,29 @@ def test_every_task_rejects_a_negative_value_of_each_numeric_key(name):
             assert f.name in {k for k, _ in cfg.check()}, f"task {name}: {f.name} = -1 accepted"
 
 
+# loss keys whose -1 means "off": -2 is their first impossible negative value
+LOSS_OFF_AT_MINUS_ONE = {"max_token_lag"}
+
+
 @pytest.mark.parametrize("name", sorted(LOSS_CONFIGS))
 def test_every_loss_rejects_a_negative_value_of_each_numeric_key(name):
-    """Each registered loss's `check()` names every numeric key set to -1."""
+    """Each registered loss's `check()` names every numeric key set to -1 (-2 where -1 means off)."""
     cls = LOSS_CONFIGS[name]
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if hints[f.name] in (int, float):
-            assert f.name in {k for k, _ in cls(**{f.name: -1}).check()}, f"loss {name}: {f.name} = -1 accepted"
+            bad = -2 if f.name in LOSS_OFF_AT_MINUS_ONE else -1
+            assert f.name in {k for k, _ in cls(**{f.name: bad}).check()}, f"loss {name}: {f.name} = {bad} accepted"
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_CONFIGS))
+def test_loss_max_token_lag_takes_off_or_a_lag_and_names_itself_otherwise(name):
+    """-1 (off) and every lag >= 0 load under every loss; -2 is a ConfigError naming loss.max_token_lag."""
+    for ok in (-1, 0, 7):
+        assert load_config([f"--loss.name={name}", f"--loss.max_token_lag={ok}"]).loss.max_token_lag == ok
+    with pytest.raises(ConfigError) as e:
+        load_config([f"--loss.name={name}", "--loss.max_token_lag=-2"])
+    assert "loss.max_token_lag = -2 must be >= 0, or -1 (off)" in str(e.value) and "command line" in str(e.value)
 
 
 CHECKED = [

@@ -65,3 +65,15 @@ def test_micro_batches_mark_the_tokens_the_trained_version_sampled():
     assert mb.loss_input.current.tolist() == [0, 0, 0, 1, 0, 1, 1, 0]
     (mb,) = rl_micro_batches([s1, s2], budget=64, device=torch.device("cpu"))
     assert mb.loss_input.current is None
+
+
+def test_micro_batches_carry_each_tokens_tenth_and_lag():
+    s1, s2 = sample(3, 2), sample(2, 3)
+    s1.versions[:] = [4, 5]
+    s2.versions[:] = [5, 5, 3]
+    (mb,) = rl_micro_batches([s1, s2], budget=64, device=torch.device("cpu"), version=5)
+    # s1: 2 prompt targets, then j = 0, 1 of n = 2 (tenths 1 and 6); s2: 1 prompt target, then tenths 1, 4, 7
+    assert mb.loss_input.tenth.tolist() == [0, 0, 1, 6, 0, 1, 4, 7]
+    assert mb.loss_input.lag.tolist() == [0, 0, 1, 0, 0, 0, 0, 2]  # 5 - the token's version; 0 off the mask
+    (mb,) = rl_micro_batches([s1, s2], budget=64, device=torch.device("cpu"))
+    assert mb.loss_input.tenth is None and mb.loss_input.lag is None  # no trained version given

@@ -107,3 +107,26 @@ def test_ess_per_turn_index_counts_each_model_turns_tokens_only():
     assert m["ess_turn/2"] == pytest.approx(ess(log_ratio[4:]), rel=1e-5)
     assert "ess_turn/3" not in m and m["turns_per_episode"] == 2 and m["env_tokens_per_episode"] == 2
     assert m["lag_turn/1"] == 1 and m["lag_turn/2"] == 0
+
+
+def test_environment_tokens_have_no_tenth_no_lag_and_count_in_no_position_metric():
+    """The 5 model tokens are j = 0..4 of n = 5 (tenths 1, 3, 5, 7, 9); the 2 environment tokens between them have
+    tenth 0 and lag 0 in the loss input, and huge log ratios there reach no `ess_pos` / `abs_log_ratio_pos` /
+    `lag_pos`; the lag mask never needs them (their mask is 0 already)."""
+    s = sample([0.0] * 7)
+    (mb,) = rl_micro_batches([s], 64, torch.device("cpu"), version=6)
+    assert mb.loss_input.tenth[2:].tolist() == [1.0, 3.0, 0.0, 0.0, 5.0, 7.0, 9.0]
+    assert mb.loss_input.lag[2:].tolist() == [2.0, 2.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    log_ratio = [0.1, -0.3, 9.0, 9.0, 0.2, 0.0, -0.5]
+    logp = torch.zeros(1, mb.loss_input.mask.shape[0])
+    logp[0, 2:] = torch.tensor(log_ratio)
+    _, stats = micro_batch_loss(logp, torch.zeros_like(logp), mb.loss_input, CONFIGS["reinforce_tis"](), 0.0)
+    assert stats.tenth_tokens == (1, 0, 1, 0, 1, 0, 1, 0, 1, 0)
+    m = step_metrics([s], 6, stats, EngineStats(), EngineStats(), StepTimes(0.0, 0.0, 1.0, 0.0), multi_turn=True)
+    for i, lr, lag in ((1, 0.1, 2), (3, 0.3, 2), (5, 0.2, 1), (7, 0.0, 1), (9, 0.5, 1)):
+        assert m[f"abs_log_ratio_pos/{i}"] == pytest.approx(lr, abs=1e-6) and m[f"ess_pos/{i}"] == pytest.approx(1.0)
+        assert m[f"lag_pos/{i}"] == lag
+    assert all(m[f"lag_pos/{i}"] != m[f"lag_pos/{i}"] for i in (2, 4, 6, 8, 10))  # NaN: no token there
+    assert m["lag_frac/1"] == pytest.approx(3 / 5) and m["lag_frac/2"] == pytest.approx(2 / 5)
+    stale = micro_batch_loss(logp, torch.zeros_like(logp), mb.loss_input, CONFIGS["reinforce_tis"](max_token_lag=1), 0)
+    assert stale[1].masked == 2 and stale[1].kept == 3  # the first turn's two tokens, lag 2; not the environment's

@@ -81,40 +81,46 @@ PUBLISHED: dict[str, dict[str, object]] = {
 STD_NORMALIZED = {"grpo", "dapo", "gspo", "cispo"}
 
 
-def closed_form(name: str, **settings: object) -> tuple[float, list[float]]:
+def closed_form(name: str, keep: list[float] | None = None, **settings: object) -> tuple[float, list[float]]:
     """The loss and d loss / d log pi per completion token, from the loss's formula with its published defaults
-    (`PUBLISHED`, overridden by `settings`), token by token."""
+    (`PUBLISHED`, overridden by `settings`), token by token; `keep` (per completion token, 1 or 0: the masks'
+    keep_t) multiplies each token's term."""
     p = {**PUBLISHED[name], **settings}
     weights = hand_weights(str(p["normalize"]))
+    keep = keep if keep is not None else [1.0] * len(LOGP)
     loss, grad = 0.0, []
     for (_, a, lrs), w in zip(SAMPLES, weights):
-        logps = [LOGP[len(grad) + j] for j in range(len(lrs))]
+        first = len(grad)
+        logps = [LOGP[first + j] for j in range(len(lrs))]
         if name == "gspo":
             s = math.exp(sum(lrs) / len(lrs))
             lo, hi = 1 - p["eps_low"], 1 + p["eps_high"]
             active = s * a <= min(max(s, lo), hi) * a  # the unclipped term is the minimum: its gradient flows
-            loss += w * len(lrs) * -min(s * a, min(max(s, lo), hi) * a)
-            grad += [w * (-s * a if active else 0.0)] * len(lrs)
+            for k in keep[first : first + len(lrs)]:  # each token's term s_it, of value s_i, differs in its gradient
+                loss += k * w * -min(s * a, min(max(s, lo), hi) * a)
+                grad.append(k * w * (-s * a if active else 0.0))
             continue
         seq_ratio = math.exp(sum(lrs))
-        for lr, lp in zip(lrs, logps):
+        for lr, lp, k in zip(lrs, logps, keep[first:]):
             r = math.exp(lr)
             if name == "reinforce_tis":
                 c = min(r if p["is_level"] == "token" else seq_ratio, p["is_clip"])
-                loss += w * -c * a * lp
-                grad.append(w * -c * a)
+                loss += k * w * -c * a * lp
+                grad.append(k * w * -c * a)
             elif name == "cispo":
                 c = min(max(r, 1 - p["eps_low"]), 1 + p["eps_high"])
-                loss += w * -c * a * lp
-                grad.append(w * -c * a)
+                loss += k * w * -c * a * lp
+                grad.append(k * w * -c * a)
             else:  # the PPO family
                 clipped = min(max(r, 1 - p["eps_low"]), 1 + p["eps_high"])
-                loss += w * -min(r * a, clipped * a)
-                grad.append(w * (-r * a if r * a <= clipped * a else 0.0))
+                loss += k * w * -min(r * a, clipped * a)
+                grad.append(k * w * (-r * a if r * a <= clipped * a else 0.0))
     return loss, grad
 
 
-def run(cfg) -> tuple[float, list[float], LossStats]:
+def run(cfg, lag: list[float] | None = None) -> tuple[float, list[float], LossStats]:
+    """The loss, its gradient per completion token and its statistics on `micro_batch()`; `lag`: each completion
+    token's lag (the prompt position gets 0)."""
     mb = micro_batch()
     logp = mb["logp"].clone().requires_grad_()
     # the normalisation weights as the job computes them (rl/normalization.py), not by hand: the closed form's
@@ -122,7 +128,9 @@ def run(cfg) -> tuple[float, list[float], LossStats]:
     lengths, groups = [len(lr) for _, _, lr in SAMPLES], [g for g, _, _ in SAMPLES]
     per_sample = sample_weights(lengths, groups, [True] * B, cfg.normalize, B, len(set(groups)), L)
     weight = torch.tensor([0.0] + [per_sample[i] for i in mb["seq"][1:].tolist()], dtype=torch.float64)
-    loss, stats = policy_loss(logp, LossInput(mb["mask"], mb["behaviour"], mb["adv"], weight, mb["seq"]), cfg)
+    lags = torch.tensor([0.0, *lag], dtype=torch.float64) if lag is not None else None
+    batch = LossInput(mb["mask"], mb["behaviour"], mb["adv"], weight, mb["seq"], lag=lags)
+    loss, stats = policy_loss(logp, batch, cfg)
     loss.backward()
     assert logp.grad[0] == 0  # the prompt position
     return loss.item(), logp.grad[1:].tolist(), stats
@@ -225,6 +233,60 @@ def test_token_and_sequence_masks_leave_out_what_lies_outside_the_bounds():
     _, _, stats = run(CONFIGS["reinforce_tis"]())  # no mask: the rules are measured all the same
     assert stats.masked == 0 and stats.mis_tokens == 2 and stats.mis_seqs == 1
     assert stats.max_log_ratio == pytest.approx(2.0)
+
+
+# each completion token's lag (versions between the trained one and the one that sampled it); with
+# loss.max_token_lag = 2 the tokens at 1, 3, 5 and 7 (lags 3, 4, 5, 4) leave the loss
+LAGS = [0.0, 3.0, 1.0, 4.0, 2.0, 5.0, 0.0, 4.0]
+STALE = [1, 3, 5, 7]
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_the_lag_mask_zeroes_stale_tokens_and_leaves_the_rest_unchanged_under_every_loss(name):
+    """loss.max_token_lag = 2: against the closed form with keep_t = 0 at the stale tokens (by hand), the loss
+    drops their terms, their gradient is exactly 0 and every other token's is the unmasked loss's; counted as
+    masked, and out of the tokens the applied weights (ess_truncated) are over, never out of the raw ESS sums."""
+    loss, grad, stats = run(CONFIGS[name](max_token_lag=2), LAGS)
+    keep = [0.0 if i in STALE else 1.0 for i in range(len(LOGP))]
+    want_loss, want_grad = closed_form(name, keep=keep)
+    assert loss == pytest.approx(want_loss, rel=1e-9, abs=1e-12)
+    assert grad == pytest.approx(want_grad, rel=1e-9, abs=1e-12)
+    assert [grad[i] for i in STALE] == [0.0] * len(STALE)
+    _, full_grad, full = run(CONFIGS[name](), LAGS)  # the rule off (the default): the lags change nothing
+    assert [g for i, g in enumerate(grad) if i not in STALE] == [g for i, g in enumerate(full_grad) if i not in STALE]
+    assert any(full_grad[i] != 0 for i in STALE)  # there was gradient to take away
+    assert stats.masked == 4 and stats.kept == 4 and stats.tokens == 8 and full.masked == 0 and full.kept == 8
+    assert (stats.sum_rho, stats.sum_rho2) == (full.sum_rho, full.sum_rho2)
+
+
+def test_the_lag_mask_bounds_by_hand():
+    """k = 0 keeps the lag-0 tokens only; k at the largest lag (5) or above, and -1, change nothing; the kept
+    tokens' truncated weights (reinforce_tis, c = 5) are what ess_truncated is over."""
+    cfg = CONFIGS["reinforce_tis"]
+    _, grad, stats = run(cfg(max_token_lag=0), LAGS)
+    assert [i for i, g in enumerate(grad) if g != 0] == [0, 6] and stats.kept == 2
+    base = run(cfg())
+    for k in (-1, 5, 9):
+        loss, grad, stats = run(cfg(max_token_lag=k), LAGS)
+        assert (loss, grad) == base[:2] and stats.masked == 0
+    _, _, stats = run(cfg(max_token_lag=2), LAGS)
+    w = [math.exp(0.1), 1.0, math.exp(-0.05), math.exp(-1.6)]  # tokens 0, 2, 4, 6: none above c
+    assert stats.sum_w == pytest.approx(sum(w), rel=1e-12) and stats.sum_w2 == pytest.approx(sum(x * x for x in w))
+    with pytest.raises(ValueError, match="max_token_lag needs each token's lag"):
+        run(cfg(max_token_lag=2))  # a micro-batch built without the trained version
+
+
+def test_the_lag_mask_and_the_mismatch_mask_combine_and_count_a_token_once():
+    """Token rule (out: 3 and 6, ratios 7.39 and 0.202) with max_token_lag = 2 (out: 1, 3, 5, 7): five tokens out,
+    token 3 counted once; the rule's own measure (mis_tokens) is unchanged."""
+    _, grad, stats = run(CONFIGS["reinforce_tis"](mask="token", max_token_lag=2), LAGS)
+    _, full = closed_form("reinforce_tis")
+    out = [1, 3, 5, 6, 7]
+    assert [i for i, g in enumerate(grad) if g == 0] == out
+    assert [g for i, g in enumerate(grad) if i not in out] == pytest.approx(
+        [g for i, g in enumerate(full) if i not in out]
+    )
+    assert stats.masked == 5 and stats.kept == 3 and stats.mis_tokens == 2
 
 
 def test_sample_weights_by_hand():

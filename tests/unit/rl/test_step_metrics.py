@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -191,3 +192,66 @@ def test_kv_recomputed_seqs_is_the_step_delta_of_the_engines_counters():
     now = total([EngineStats(kv_recomputed=9.0), EngineStats(kv_recomputed=3.0)], EngineStats())
     m = step_metrics([s([0], 1.0)], 0, SUMS, now, before, StepTimes(0, 1, 2, 0))
     assert m["kv_recomputed_seqs"] == 5.0  # 12 recomputed in all so far, 7 of them before this step
+
+
+def test_nearest_rank_percentiles_by_hand():
+    from pipelinerl_fsdp.rl.step_metrics import nearest_rank
+
+    lags = [0, 0, 1, 1, 2, 3, 5, 8, 13, 20]  # N = 10: p50 -> rank 5, p90 -> rank 9, p100 -> rank 10
+    assert (nearest_rank(lags, 50), nearest_rank(lags, 90), nearest_rank(lags, 100)) == (2, 13, 20)
+    odd = [0, 1, 1, 2, 4, 6, 9]  # N = 7: p50 -> rank ceil(3.5) = 4, p90 -> rank ceil(6.3) = 7, p1 -> rank 1
+    assert (nearest_rank(odd, 50), nearest_rank(odd, 90), nearest_rank(odd, 1)) == (2, 9, 0)
+    assert nearest_rank([3], 90) == 3 and nearest_rank([], 50) != nearest_rank([], 50)  # NaN without values
+    with pytest.raises(ValueError):
+        nearest_rank(lags, 0)
+
+
+def test_lag_percentiles_bins_and_positions_of_a_step():
+    """Two completions trained at version 20: one of 10 tokens sampled at versions 2, 4, ..., 20 (lags 18, 16, ...,
+    0, one token per tenth), one of 3 tokens at version 19 (lag 1; tenths 1, 4, 7)."""
+    long = s([2, 4, 6, 8, 10, 12, 14, 16, 18, 20], 1.0)
+    short = s([19, 19, 19], 0.0)
+    m = step_metrics([long, short], 20, SUMS, EngineStats(), EngineStats(), StepTimes(0, 1, 2, 0))
+    # 13 lags sorted: 0 1 1 1 2 4 6 8 10 12 14 16 18; p50 -> rank ceil(6.5) = 7, p90 -> rank ceil(11.7) = 12
+    assert m["lag_p50"] == 6 and m["lag_p90"] == 16 and m["lag_max"] == 18
+    want = {"0": 1, "1": 3, "2": 1, "3": 0, "4-7": 2, "8-15": 4, "16+": 2}
+    assert {k: m[f"lag_frac/{k}"] for k in want} == pytest.approx({k: v / 13 for k, v in want.items()})
+    assert sum(m[f"lag_frac/{k}"] for k in want) == pytest.approx(1.0)
+    # tenth i: the long completion's token i (lag 20 - 2i), and in tenths 1, 4, 7 also a short one's (lag 1)
+    expect = {i: 20 - 2 * i for i in range(1, 11)}
+    for i in (1, 4, 7):
+        expect[i] = (expect[i] + 1) / 2
+    assert {i: m[f"lag_pos/{i}"] for i in range(1, 11)} == pytest.approx(expect)
+
+
+def test_ess_and_abs_log_ratio_by_tenth_through_the_real_loss():
+    """A completion of 20 tokens (2 per tenth) and one of 3 (tenths 1, 4, 7), packed and run through the loss:
+    tenth 1 holds ratios (2, 1/2) of the long one and 1 of the short one, tenth 2 (3, 3); every other token 1.
+    Worked by hand: tenth 1's ESS (3.5)^2 / 5.25 / 3 = 0.778, |log ratio| (2 log 2) / 3; tenth 2's ESS 1 (equal
+    weights, far from 1), |log ratio| log 3; the tenths of ratio 1: ESS 1, |log ratio| 0."""
+    from pipelinerl_fsdp.rl.batching import rl_micro_batches
+
+    long, short = s([3] * 20, 1.0), s([4, 4, 4], 0.0)
+    (mb,) = rl_micro_batches([long, short], 64, torch.device("cpu"), version=4)
+    log_ratio = [0.0] * 23
+    log_ratio[0:4] = [math.log(2), -math.log(2), math.log(3), math.log(3)]
+    tokens = mb.loss_input.mask.nonzero()[:, 0]
+    logp = mb.loss_input.behaviour_logp.clone()
+    logp[tokens] += torch.tensor(log_ratio)
+    _, sums = policy_loss(logp, mb.loss_input, ReinforceTISConfig())
+    assert sums.tenth_tokens == (3, 2, 2, 3, 2, 2, 3, 2, 2, 2)
+    m = step_metrics([long, short], 4, sums, EngineStats(), EngineStats(), StepTimes(0, 1, 2, 0))
+    assert m["ess_pos/1"] == pytest.approx(3.5**2 / 5.25 / 3, rel=1e-6)
+    assert m["abs_log_ratio_pos/1"] == pytest.approx(2 * math.log(2) / 3, rel=1e-6)
+    assert m["ess_pos/2"] == pytest.approx(1.0) and m["abs_log_ratio_pos/2"] == pytest.approx(math.log(3), rel=1e-6)
+    for i in range(3, 11):
+        assert m[f"ess_pos/{i}"] == pytest.approx(1.0) and m[f"abs_log_ratio_pos/{i}"] == pytest.approx(0, abs=1e-6)
+    # the raw ratios, whatever the lag: the long completion's tokens are all one version old (no lag-0 token there)
+    assert sums.lag0_tokens == 3
+
+
+def test_position_metrics_are_nan_for_an_empty_tenth():
+    m = step_metrics([s([4], 1.0)], 4, SUMS, EngineStats(), EngineStats(), StepTimes(0, 1, 2, 0))
+    for name in ("ess_pos/3", "abs_log_ratio_pos/3", "lag_pos/3"):
+        assert m[name] != m[name], name
+    assert m["lag_pos/1"] == 0 and m["lag_p50"] == 0 and m["lag_frac/0"] == 1.0
