@@ -42,6 +42,10 @@ METRIC_KEYS = {
     "is_clipped_frac",
     "kl",
     "completion_len",
+    "lag_p50",
+    "lag_p90",
+    *(f"lag_frac/{b}" for b in ("0", "1", "2", "3", "4-7", "8-15", "16+")),
+    *(f"{m}/{i}" for m in ("lag_pos", "ess_pos", "abs_log_ratio_pos") for i in range(1, 11)),
 }
 
 

@@ -63,6 +63,15 @@ def test_short_pipeline_runs_and_logs_real_metrics(warm_folder, tmp_path, nproc,
     assert METRIC_KEYS <= recs[0].keys()
     assert [x["version"] for x in recs] == list(range(1, 13))
     assert recs[0]["lag_max"] == 0 and recs[0]["ess"] == pytest.approx(1.0, abs=1e-4)  # first step: on-policy
+    # the lag's spread: shares of the bins sum to 1, the percentiles are ordered lags; by tenth, step 1 is on-policy
+    for x in recs:
+        assert sum(v for k, v in x.items() if k.startswith("lag_frac/")) == pytest.approx(1.0)
+        assert 0 <= x["lag_p50"] <= x["lag_p90"] <= x["lag_max"] and x["lag_p90"] == int(x["lag_p90"])
+        pos = [x[f"lag_pos/{i}"] for i in range(1, 11) if math.isfinite(x[f"lag_pos/{i}"])]
+        assert pos and all(0 <= p <= x["lag_max"] for p in pos)
+    first = [recs[0][f"ess_pos/{i}"] for i in range(1, 11) if math.isfinite(recs[0][f"ess_pos/{i}"])]
+    assert first and all(e == pytest.approx(1.0, abs=1e-4) for e in first)
+    assert all(recs[0][f"abs_log_ratio_pos/{i}"] < 1e-3 for i in range(1, 11) if math.isfinite(recs[0][f"ess_pos/{i}"]))
     # engine and trainer agree on the tokens the trained weights sampled (both fp32: ~1e-6 per token; a wrong
     # weight load, head or temperature would be ~0.1-1); every step that had such tokens, the first at least. Except
     # where the engine sampled them over a KV cache it kept from older weights (kv_max_age -1 or 1, tokens after an

@@ -255,3 +255,16 @@ def test_position_metrics_are_nan_for_an_empty_tenth():
     for name in ("ess_pos/3", "abs_log_ratio_pos/3", "lag_pos/3"):
         assert m[name] != m[name], name
     assert m["lag_pos/1"] == 0 and m["lag_p50"] == 0 and m["lag_frac/0"] == 1.0
+
+
+def test_tenth_sums_count_only_the_masked_in_tokens_by_hand():
+    from pipelinerl_fsdp.rl.loss import tenth_sums
+
+    # tenth 1: log ratios 0.1 and (masked out) 5; tenth 2: -0.2; a position of tenth 0 (a prompt target) is nowhere
+    tokens, rho, rho2, absolute = tenth_sums(
+        torch.tensor([1.0, 1.0, 2.0, 0.0]), torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0.1, 5.0, -0.2, 3.0])
+    )
+    assert tokens == (1, 1) + (0,) * 8
+    assert rho[:3] == pytest.approx((math.exp(0.1), math.exp(-0.2), 0.0))
+    assert rho2[:2] == pytest.approx((math.exp(0.2), math.exp(-0.4)))
+    assert absolute[:3] == pytest.approx((0.1, 0.2, 0.0)) and sum(absolute[2:]) == 0
