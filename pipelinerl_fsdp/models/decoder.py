@@ -31,6 +31,8 @@ class AttentionCache(Protocol):
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor: ...
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -175,15 +177,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        if cache is not None and cache.decoding:
-            k, v, mask = cache.attend_keys(self.layer_idx, k, v)
-        elif cache is not None:
-            cache.store(self.layer_idx, k, v)
         gqa = self.n_kv != self.n_heads
-        if isinstance(mask, Documents):
-            out = document_attention(q, k, v, mask, gqa)
+        if cache is not None and cache.decoding:
+            out = cache.attend(self.layer_idx, q, k, v, gqa)  # over the cache's keys (decode, extension)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            if cache is not None:
+                cache.store(self.layer_idx, k, v)  # prefill
+            if isinstance(mask, Documents):
+                out = document_attention(q, k, v, mask, gqa)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 
