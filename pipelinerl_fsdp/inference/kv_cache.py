@@ -4,36 +4,13 @@ Prefill runs several new sequences packed in one row (attention confined to each
 values into their slots; a decode step appends one token to each active slot and attends over the slot's cache; an
 extension appends several tokens to one slot (a multi-turn episode's next turn continuing a kept cache). A finished
 sequence's cache can be copied out (`park`) and back into a slot later (`restore`).
-
-A decode step's attention reads each slot up to the longest filled length among the slots (one batched call over a
-padded width). With lengths far apart (the long tail: one 1,000-token sequence among a hundred of 100 tokens) most of
-that work is padding, so the step then attends in groups of slots of similar length, each up to its own longest
-(`decode_groups`): the groups' keys are gathered, which costs a copy of what they read, so grouping is chosen only
-where it reads at most half the padded width's keys.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pipelinerl_fsdp.models.args import ModelArgs
-
-DECODE_GROUPS = 4  # groups of slots by length at most, per decode step
-
-
-def decode_groups(widths: list[int], groups: int = DECODE_GROUPS) -> list[list[int]] | None:
-    """Rows of a decode step (their key widths, `widths`) in groups of similar width, shortest first, each read up
-    to its own widest; None when one padded call is cheaper: grouping copies the keys it reads, so it pays only
-    where the groups read at most half the keys of the padded call (len(widths) x max(widths))."""
-    n = len(widths)
-    if n < 2 * groups:
-        return None
-    order = sorted(range(n), key=widths.__getitem__)
-    bounds = [round(i * n / groups) for i in range(groups + 1)]
-    out = [order[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
-    read = sum(len(g) * widths[g[-1]] for g in out)
-    return out if 2 * read <= n * max(widths) else None
 
 
 class KVCache:
@@ -57,7 +34,6 @@ class KVCache:
         self._span: slice | None = None  # the decode step's slots as a range, when they are one
         self._prefill_lengths: list[int] = []
         self._step = 1  # tokens a decode step appends per slot (more for an extension)
-        self._groups: list[tuple[torch.Tensor, torch.Tensor, int]] | None = None  # (rows, slots, width) per group
 
     # ---- prefill -----------------------------------------------------------------------------------------
     def begin_prefill(self, slots: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,16 +72,7 @@ class KVCache:
         lo, n = int(slots[0]), slots.numel()
         contiguous = n == 1 or bool((slots.diff() == 1).all())
         self._span = slice(lo, lo + n) if contiguous else None
-        pos = self.lengths[slots]
-        widths = (pos + 1).tolist()
-        groups = decode_groups(widths)
-        self._groups = None
-        if groups is not None:
-            self._groups = [
-                (torch.tensor(g, device=slots.device), slots[torch.tensor(g, device=slots.device)], widths[g[-1]])
-                for g in groups
-            ]
-        return pos[:, None]
+        return self.lengths[slots][:, None]
 
     def begin_extend(self, slot: int, n: int) -> torch.Tensor:
         """Prepare to append `n` tokens to the filled `slot` in one forward (causal among themselves, attending to
@@ -142,28 +109,11 @@ class KVCache:
         rows = slots if self._span is None else self._span
         return self.k[layer, rows, :, :width], self.v[layer, rows, :, :width], mask[:, None, None, :]
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
-        """Store this step's k, v (`attend_keys`) and attend q over the slots' caches: in one padded call, or per
-        group of similar lengths (`decode_groups`) where that reads far fewer keys."""
-        keys, values, mask = self.attend_keys(layer, k, v)
-        if self._step > 1 or self._groups is None:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
-        out = torch.empty_like(q)
-        for rows, slots, width in self._groups:
-            out[rows] = F.scaled_dot_product_attention(
-                q[rows],
-                self.k[layer, slots, :, :width],
-                self.v[layer, slots, :, :width],
-                attn_mask=mask[rows, :, :, :width],
-                enable_gqa=gqa,
-            )
-        return out
-
     def end_decode(self) -> None:
         assert self._slots is not None
         self.lengths[self._slots] += self._step
         self.decoding = False
-        self._slots = self._span = self._groups = None
+        self._slots = self._span = None
         self._step = 1
 
     def free(self, slot: int) -> None:

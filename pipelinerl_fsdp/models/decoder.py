@@ -31,8 +31,6 @@ class AttentionCache(Protocol):
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor: ...
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -177,16 +175,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        gqa = self.n_kv != self.n_heads
         if cache is not None and cache.decoding:
-            out = cache.attend(self.layer_idx, q, k, v, gqa)  # over the cache's keys (decode, extension)
+            k, v, mask = cache.attend_keys(self.layer_idx, k, v)
+        elif cache is not None:
+            cache.store(self.layer_idx, k, v)
+        gqa = self.n_kv != self.n_heads
+        if isinstance(mask, Documents):
+            out = document_attention(q, k, v, mask, gqa)
         else:
-            if cache is not None:
-                cache.store(self.layer_idx, k, v)  # prefill
-            if isinstance(mask, Documents):
-                out = document_attention(q, k, v, mask, gqa)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

@@ -60,38 +60,3 @@ def test_top_p_logprob_is_of_the_renormalised_nucleus():
         assert int(tok) in (0, 1)  # 0.5 + 0.3 reaches 0.7; the tail is cut
         expected = {0: 0.5 / 0.8, 1: 0.3 / 0.8}[int(tok)]
         assert abs(float(lp.exp()) - expected) < 1e-6
-
-
-def test_lengths_far_apart_attend_in_groups_and_give_the_full_forwards_logprobs():
-    """One long sequence among many short ones: decode attends in groups of similar length (kv_cache.decode_groups)
-    and every completion's log-probs still equal the trainer's full forward of that sequence alone."""
-    from pipelinerl_fsdp.inference import kv_cache
-
-    model = build_model(flavour_args("debug", vocab_size=40), seed=3).eval()
-    prompts = [[3 + i % 30, 5, 7] for i in range(11)] + [[4 + i % 30 for i in range(300)]]
-    widths = [len(p) for p in prompts]
-    assert kv_cache.decode_groups(widths) is not None  # the case under test: the step really groups
-    calls = []
-    real = kv_cache.decode_groups
-    kv_cache.decode_groups = lambda w, groups=kv_cache.DECODE_GROUPS: calls.append(real(w, groups)) or calls[-1]
-    try:
-        outs = generate(model, prompts, max_new_tokens=8, eos_id=[], temperature=1.0, generator=torch.Generator())
-    finally:
-        kv_cache.decode_groups = real
-    assert calls and all(c is not None for c in calls)
-    for p, o in zip(prompts, outs):
-        seq = torch.tensor([p + o.tokens])
-        with torch.no_grad():
-            lp, _ = model(seq[:, :-1], targets=seq[:, 1:])
-        torch.testing.assert_close(lp[0, len(p) - 1 :], torch.tensor(o.logprobs), rtol=1e-5, atol=1e-5)
-
-
-def test_decode_groups_only_where_they_read_at_most_half_the_padded_keys():
-    from pipelinerl_fsdp.inference.kv_cache import decode_groups
-
-    assert decode_groups([5] * 16) is None  # equal lengths: padding costs nothing
-    assert decode_groups([10, 1000]) is None  # too few rows to split in 4
-    groups = decode_groups([100] * 15 + [1000])
-    # 4 groups of 4 by length, the long one last: read 12 x 100 + 4 x 1000 = 5,200 keys of 16,000 padded
-    assert groups is not None and [len(g) for g in groups] == [4, 4, 4, 4] and groups[-1][-1] == 15
-    assert decode_groups([600] * 15 + [1000]) is None  # 12 x 600 + 4 x 1000 = 11,200 > 8,000
