@@ -121,8 +121,8 @@ TASK_ENGINE = {
     "addition": "vllm",
     "chain_sum": "reference",
     "tool_arithmetic": "reference",
-    "long_tail": "reference",
-    "long_uniform": "reference",
+    "long_tail": "vllm",
+    "long_uniform": "vllm",
 }
 # the config of every run unless --config says otherwise
 TASK_CONFIG = {
