@@ -99,9 +99,11 @@ TASK_SETTINGS["tool_arithmetic"] = TaskSettings(
 # takes 30 steps and the full one 60, with an export every 3 steps (256 problems: ~2 s an export here). The uniform
 # twin's warm start stops lower (0.547 at its 300th step, where the tail's reached 0.744 at its 400th): its targets
 # sit that much lower.
+# The uniform twin climbs more slowly from its lower start (0.547 -> ~0.70 in 30 steps): its main target is 0.65. The
+# sampled reward (temperature 1) of these long chains stays ~0.2 below the greedy accuracy (0.68 at 0.88).
 _TARGETS = {
-    "long_tail": ((0.85, "0.8,0.9"), (0.8, "0.75,0.85")),
-    "long_uniform": ((0.75, "0.65,0.85"), (0.7, "0.6,0.8")),
+    "long_tail": ((0.85, "0.8,0.9"), (0.65, "0.6,0.7")),
+    "long_uniform": ((0.65, "0.6,0.7"), (0.45, "0.4,0.5")),
 }
 for _preset in ("long_tail", "long_uniform"):
     TASK_SETTINGS[_preset] = TaskSettings(
