@@ -7,7 +7,7 @@ subtractions: the value by the step, the count by one; the line with count 000 i
 included) with the task's character tokenizer, so a completion's length is chosen by the generator, not by chance:
 
 - `lengths = "tail"`: L drawn with P(L) proportional to L^-tail_exponent on [min_lines, max_lines] (defaults 3..114:
-  27..1,026 tokens, median ~81, mean ~166: the longest ~13x the median). The paper's regime: a few sequences live
+  27..1,026 tokens, median ~72, mean ~153: the longest ~14x the median). The paper's regime: a few sequences live
   through many optimizer steps while most finish within one.
 - `lengths = "uniform"`: the twin with nearly equal lengths, L uniform within +-uniform_spread of the tail
   distribution's mean line count, so the mean completion length is the same.
