@@ -96,7 +96,10 @@ TASK_SETTINGS["tool_arithmetic"] = TaskSettings(
 # token-lag histogram of the run is computed from them (benchmarks/token_lag.py).
 # Calibrated on one run of each mode (2026-12-06, /tmp/cal1: pipeline and conventional G=1, 40 steps from the 0.734
 # warm start): both reach 0.92 held-out greedy accuracy by step 40 and cross 0.85 near step 20, so the quick run
-# takes 30 steps and the full one 60, with an export every 3 steps (256 problems: ~2 s an export here). The uniform
+# takes 30 steps, with an export every 3 steps (256 problems: ~2 s an export here). The full run takes the same
+# steps and adds the best conventional G and the colocated baseline (five modes, ~35 min a preset): every mode crosses
+# the main target by step ~20 (conventional G=1, the slowest, at ~17: 78 s at 0.22 steps/s), so later steps would only
+# lengthen the curves. The uniform
 # twin's warm start stops lower (0.547 at its 300th step, where the tail's reached 0.744 at its 400th): its targets
 # sit that much lower.
 # The uniform twin climbs more slowly from its lower start (0.547 -> ~0.70 in 30 steps): its main target is 0.65. The
@@ -111,9 +114,9 @@ for _preset in ("long_tail", "long_uniform"):
         _TARGETS[_preset][0],
         _TARGETS[_preset][1],
         30,
-        60,
+        30,
         "pipeline,conventional:1,async",
-        (256, 512),
+        (256, 256),
         (3, 3),
         full_modes="pipeline,async,conventional:1,conventional:4,colocated",
         extra=("--metrics.rollouts_every=1",),
