@@ -8,7 +8,6 @@ the same forward into prefill / decode steps for generation.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -17,6 +16,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipelinerl_fsdp.models.args import ModelArgs
+
+# `document_attention` re-exported: the per-document loop, callers (benchmarks) import it from here
+from pipelinerl_fsdp.models.documents import Documents, attend_documents
+from pipelinerl_fsdp.models.documents import document_attention as document_attention
 from pipelinerl_fsdp.models.logprobs import token_logprobs
 
 
@@ -101,47 +104,6 @@ def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
-@dataclass(frozen=True)
-class Documents:
-    """The packed sequences of a batch as (row, start, end) spans: attention runs causally inside each span, so no
-    [T, T] mask exists. Memory grows with the sum of squared span lengths on kernels that materialise scores
-    (CPU), linearly on flash / memory-efficient kernels (GPU), which `is_causal` without a mask lets SDPA pick."""
-
-    spans: tuple[tuple[int, int, int], ...]
-
-    @classmethod
-    def from_positions(cls, position_ids: torch.Tensor) -> Documents:
-        """A sequence starts wherever `position_ids` is 0 (and at the start of every row), as `packed_causal_mask`."""
-        b, t = position_ids.shape
-        starts = (position_ids == 0).clone()
-        starts[:, 0] = True
-        rows, cols = starts.nonzero(as_tuple=True)
-        spans = []
-        for row, start, nxt_row, nxt in zip(
-            rows.tolist(), cols.tolist(), rows.tolist()[1:] + [-1], cols.tolist()[1:] + [t]
-        ):
-            spans.append((row, start, nxt if nxt_row == row else t))
-        return cls(tuple(spans))
-
-
-def document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: Documents, enable_gqa: bool
-) -> torch.Tensor:
-    """Causal attention within each document span of q, k, v: [B, H, T, hd]."""
-    if len(docs.spans) == 1:  # one sequence per batch (generation prefill, unpacked rows)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=enable_gqa)
-    parts = [
-        F.scaled_dot_product_attention(
-            q[r : r + 1, :, s:e], k[r : r + 1, :, s:e], v[r : r + 1, :, s:e], is_causal=True, enable_gqa=enable_gqa
-        )
-        for r, s, e in docs.spans
-    ]
-    # spans are in row-major order and tile every row, so concatenating along T then splitting rows restores [B,...]
-    out = torch.cat(parts, dim=2)
-    b, t = q.shape[0], q.shape[2]
-    return out.view(q.shape[1], b, t, q.shape[3]).transpose(0, 1) if b > 1 else out
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int) -> None:
         super().__init__()
@@ -181,7 +143,7 @@ class Attention(nn.Module):
             cache.store(self.layer_idx, k, v)
         gqa = self.n_kv != self.n_heads
         if isinstance(mask, Documents):
-            out = document_attention(q, k, v, mask, gqa)
+            out = attend_documents(q, k, v, mask, gqa)  # one varlen kernel on a GPU, a loop on CPU
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
@@ -279,6 +241,7 @@ class Transformer(nn.Module):
         mask: torch.Tensor | None = None,
         logprob_chunk_size: int = 1024,
         logprob_positions: torch.Tensor | None = None,
+        documents: Documents | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, position_ids, targets: [B, T]. Without targets: logits [B, T, V] (fp32).
 
@@ -288,6 +251,8 @@ class Transformer(nn.Module):
         vocabulary is a large share of a small model's work (SmolLM2: 28M of its 135M parameters), most of it
         spent on prompt positions otherwise.
         `mask` overrides the packed-causal mask derived from position_ids (the KV cache supplies its own).
+        `documents`: the packed sequences as the packer built them on the host (`rl.packing.pack_row`); without them
+        they are derived from position_ids, which reads the device back to the host (a sync on a GPU).
         """
         b, t = input_ids.shape
         if position_ids is None:
@@ -298,7 +263,7 @@ class Transformer(nn.Module):
         if mask is None and (cache is None or not cache.decoding):
             # training, scoring and the engine's packed prefill: attention per sequence, no [T, T] tensor (a prefill
             # of 120 sequences in flight, recomputed at an update, packs ~10k tokens: a dense mask made it quadratic)
-            attend = Documents.from_positions(position_ids)
+            attend = documents if documents is not None else Documents.from_positions(position_ids)
         for layer in self.model.layers:
             h = layer(h, cos, sin, attend, cache)
         h = self.model.norm(h)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from pipelinerl_fsdp.models.documents import Documents
 
 
 def pack_into_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -36,12 +38,15 @@ def pack_into_bins(lengths: Sequence[int], budget: int) -> list[list[int]]:
 class PackedRow:
     """Whole sequences packed into one row for next-token training: [1, T] tensors of the inputs, their positions
     (restarting per sequence), the targets and the sequence each target belongs to. A micro-batch is a PackedRow
-    and the fields its loss reads (`rl.batching.RLMicroBatch`)."""
+    and the fields its loss reads (`rl.batching.RLMicroBatch`). `documents`: the row's sequences as spans and
+    cumulative offsets, built on the host while packing, for the model's attention (None: the model derives them
+    from `position_ids`, a device read)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     targets: torch.Tensor
     seq_index: torch.Tensor
+    documents: Documents | None = field(default=None, kw_only=True)
 
     def logprob_positions(self) -> torch.Tensor | None:
         """[1, T], nonzero on the targets whose log-probs the loss reads; None: every target."""
@@ -62,6 +67,7 @@ def pack_row(sequences: Sequence[Sequence[int]], device: torch.device | str = "c
         seq.extend([i] * n)
     return PackedRow(
         *(torch.tensor(v, dtype=torch.long, device=device)[None] for v in (ids, pos, tgt, seq)),
+        documents=Documents.from_lengths([[len(s) - 1 for s in sequences]], device),
     )
 
 

@@ -100,6 +100,7 @@ def forward_backward(
             temperature=temperature,
             logprob_chunk_size=chunk_size,
             logprob_positions=mb.logprob_positions(),  # the loss's tokens only (the dummy pass: its one token)
+            documents=mb.documents,  # the packer's offsets: no device read to find the sequences
         )
         if real:
             loss, s = loss_fn(logp, ent, micro_batches[i])
@@ -130,6 +131,7 @@ def add_reference_logprobs(
             temperature=temperature,
             logprob_chunk_size=chunk_size,
             logprob_positions=mb.logprob_positions(),
+            documents=mb.documents,
         )
         if i < len(micro_batches):
             micro_batches[i].loss_input.ref_logp = logp[0]

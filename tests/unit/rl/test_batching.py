@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from pipelinerl_fsdp.models.documents import Documents
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, sample_tokens, split_balanced
 from pipelinerl_fsdp.samples import Sample
 
@@ -77,3 +78,13 @@ def test_micro_batches_carry_each_tokens_tenth_and_lag():
     assert mb.loss_input.lag.tolist() == [0, 0, 1, 0, 0, 0, 0, 2]  # 5 - the token's version; 0 off the mask
     (mb,) = rl_micro_batches([s1, s2], budget=64, device=torch.device("cpu"))
     assert mb.loss_input.tenth is None and mb.loss_input.lag is None  # no trained version given
+
+
+def test_micro_batches_carry_the_packers_offsets():
+    """Every RL micro-batch carries its row's document offsets, the ones its positions give."""
+    rng = random.Random(3)
+    samples = [sample(rng.randint(2, 9), rng.randint(1, 20), gid=i) for i in range(12)]
+    for mb in rl_micro_batches(samples, 40, torch.device("cpu"), version=0):
+        assert mb.documents is not None and mb.documents.cu_seqlens is not None
+        ref = Documents.from_positions(mb.position_ids)
+        assert mb.documents.spans == ref.spans and mb.documents.cu_seqlens.tolist() == ref.cu_seqlens.tolist()
