@@ -15,6 +15,8 @@ Parts:
   ess_bf16_head   trainer's head in fp32 and in bf16 (what `trainer.fp32_head` buys)
   step / step_ac  the bf16 FSDP2 trainer step on the Qwen2.5-0.5B shape, without and with activation
                   checkpointing: tokens/s, MFU, peak memory next to the plan's prediction, the SDPA kernel
+  attention       attention over packed documents (Qwen2.5-0.5B heads, 32k tokens, documents up to 8k, bf16): the
+                  one varlen kernel against the per-document loop, values and gradients against fp32, times, syncs
   vllm_*          only where CUDA vLLM is installed (not on the lent machine): vLLM against the reference engine,
                   and a weight update into a CUDA vLLM engine while it generates
 """
@@ -165,6 +167,18 @@ def main() -> None:
             step = json.loads(js.read_text())
             row.update({k: step[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib", "plan_gib", "sdpa_kernel")})
         rows.append(row)
+
+    # attention over packed documents: the one varlen kernel against the per-document loop (docs/gpu.md)
+    js = out / "attention.json"
+    tiny = ["--tokens", "512", "--max-doc", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+    cmd = [sys.executable, "-m", "benchmarks.packed_attention", "--device", device, *(tiny if a.cpu else [])]
+    cmd += ["--out", str(js)]
+    row = run("attention", cmd, out, 120, env)
+    if js.is_file():
+        att = json.loads(js.read_text())
+        row.update({k: att[k] for k in ("attn_docs", "loop_ms", "varlen_ms", "speedup", "loop_err", "varlen_err")})
+        row.update(agree=att["agree"], varlen_syncs=att["syncs"].get("varlen", att["varlen_status"]))
+    rows.append(row)
 
     if not a.cpu and importlib.util.find_spec("vllm") is not None:  # a GPU machine of the user's, with CUDA vLLM
         rows.append(

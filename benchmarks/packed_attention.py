@@ -1,0 +1,195 @@
+"""Attention over packed documents on one device: the one-kernel path (torch's varlen flash attention over the
+packer's offsets, `models/documents.varlen_document_attention`) against the per-document SDPA loop
+(`document_attention`), forward + backward of the attention core of the Qwen2.5-0.5B shape (14 query heads, 2 kv
+heads, head_dim 64) over one row of documents of mixed lengths up to 8k tokens (an RL mix: short prompts, a
+long-tailed completion each).
+
+    python -m benchmarks.packed_attention                  # a GPU: bf16, 32,768 tokens, documents up to 8,192
+    python -m benchmarks.packed_attention --device cpu --tokens 512 --max-doc 128 --heads 4 --kv-heads 2 \\
+        --head-dim 16 --iters 2                            # the CPU rehearsal (fp32; flash has no CPU kernel)
+
+Agreement: each path's output and q, k, v gradients against an fp32 reference (the loop in fp32, kv heads
+expanded), as max |x - ref| / max |ref| per tensor; the one kernel agrees where its worst error is at most twice
+the bf16 loop's plus 1e-3 (bf16 keeps 8 bits of mantissa: ~4e-3 relative per rounding; both paths round q, k, v and
+the output once and accumulate in fp32, in different orders). Timing: the median of `--iters` forward + backward
+passes after `--warmup`, CUDA events on a GPU. Host syncs: each path's forward + backward run under
+`torch.cuda.set_sync_debug_mode("error")` (GPU only), and so is `Documents.from_positions` (the reference, which
+reads positions back). Prints a table; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import RESULTS, report
+from pipelinerl_fsdp.models.documents import Documents, document_attention, varlen_document_attention
+
+Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def rl_lengths(tokens: int, max_doc: int, seed: int) -> list[int]:
+    """Document lengths filling `tokens` exactly: one of `max_doc`, then prompts of 32-256 tokens each with a
+    log-normal completion (median ~600) clipped to the longest document; the last one cut to fit."""
+    rng = random.Random(seed)
+    lengths = [min(max_doc, tokens)]
+    while sum(lengths) < tokens:
+        n = rng.randint(32, 256) + int(rng.lognormvariate(6.4, 1.0))
+        lengths.append(max(1, min(n, max_doc, tokens - sum(lengths))))
+    return lengths
+
+
+def inputs(t: int, heads: int, kv_heads: int, hd: int, device: torch.device, seed: int) -> Tensors:
+    """fp32 q, k, v [1, H, T, hd] in the projections' memory order ([1, T, H, hd])."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, t, h, hd, generator=g).to(device).transpose(1, 2) for h in (heads, kv_heads, kv_heads))
+
+
+def forward_backward(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], qkv: Tensors, grad):
+    """Output and q, k, v gradients of one pass (leaves made from `qkv`)."""
+    leaves = [x.detach().requires_grad_() for x in qkv]
+    out = attend(*leaves)
+    out.backward(grad)
+    return [out.detach(), *(x.grad for x in leaves)]
+
+
+def timed_ms(fn: Callable[[], object], iters: int, warmup: int, device: torch.device) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def syncs(fn: Callable[[], object], device: torch.device) -> str:
+    """'none' when `fn` runs without a host sync on the GPU, else the first sync's message (GPU only)."""
+    if device.type != "cuda":
+        return "n/a (cpu)"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return "none"
+    except RuntimeError as e:
+        return f"sync: {str(e).splitlines()[0][:100]}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def worst_error(xs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
+    return max(float((x.float() - r).abs().max() / r.abs().max()) for x, r in zip(xs, refs))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], help="default: bf16 on a GPU, fp32 on CPU")
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--max-doc", type=int, default=8192)
+    p.add_argument("--heads", type=int, default=14)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS / "packed_attention.json")
+    a = p.parse_args()
+    device = torch.device(a.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[a.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    lengths = rl_lengths(a.tokens, a.max_doc, a.seed)
+    docs = Documents.from_lengths([lengths], device)
+    gqa = a.heads != a.kv_heads
+    group = a.heads // a.kv_heads
+    qkv32 = inputs(a.tokens, a.heads, a.kv_heads, a.head_dim, device, a.seed)
+    grad32 = torch.randn(1, a.heads, a.tokens, a.head_dim, generator=torch.Generator().manual_seed(a.seed + 1))
+    grad32 = grad32.to(device)
+    qkv = tuple(x.to(dtype) for x in qkv32)
+    grad = grad32.to(dtype)
+
+    def reference(q, k, v):  # fp32, kv heads expanded in the graph (SDPA's fast fp32 kernels take no GQA)
+        return document_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), docs, False)
+
+    def loop(q, k, v):
+        return document_attention(q, k, v, docs, gqa)
+
+    def one_kernel(q, k, v):
+        return varlen_document_attention(q, k, v, docs, gqa)
+
+    ref = forward_backward(reference, qkv32, grad32)
+    got = {"loop": forward_backward(loop, qkv, grad)}
+    try:
+        got["varlen"] = forward_backward(one_kernel, qkv, grad)
+        varlen_status = "ok"
+    except (NotImplementedError, RuntimeError) as e:  # CPU: flash has no CPU kernel
+        varlen_status = f"unavailable on {device.type}: {type(e).__name__}"
+    err = {name: worst_error(v, ref) for name, v in got.items()}
+    agree = err["varlen"] <= 2 * err["loop"] + 1e-3 if "varlen" in err else None
+
+    ms, peak_gib = {}, {}
+    for name, attend in (("loop", loop), ("varlen", one_kernel)):
+        if name not in got:
+            continue
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        ms[name] = timed_ms(lambda attend=attend: forward_backward(attend, qkv, grad), a.iters, a.warmup, device)
+        if device.type == "cuda":
+            peak_gib[name] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
+    positions = torch.zeros(1, 8, dtype=torch.long, device=device)
+    sync = {
+        "loop": syncs(lambda: forward_backward(loop, qkv, grad), device),
+        "from_positions": syncs(lambda: Documents.from_positions(positions), device),
+    }
+    if "varlen" in got:
+        sync["varlen"] = syncs(lambda: forward_backward(one_kernel, qkv, grad), device)
+
+    data = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": {"heads": a.heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim},
+        "attn_tokens": a.tokens,
+        "attn_docs": len(lengths),
+        "lengths": lengths,
+        "varlen_status": varlen_status,
+        "loop_err": round(err["loop"], 6),
+        "varlen_err": round(err["varlen"], 6) if "varlen" in err else None,
+        "varlen_vs_loop": round(worst_error(got["varlen"], [x.float() for x in got["loop"]]), 6)
+        if "varlen" in got
+        else None,
+        "agree": agree,
+        "loop_ms": round(ms["loop"], 3),
+        "varlen_ms": round(ms["varlen"], 3) if "varlen" in ms else None,
+        "speedup": round(ms["loop"] / ms["varlen"], 2) if "varlen" in ms else None,
+        "peak_gib": peak_gib,
+        "syncs": sync,
+    }
+    columns = ["path", "status", "fwd+bwd ms", "worst error vs fp32", "host syncs"]
+    rows = [
+        ["per-document loop", "ok", data["loop_ms"], data["loop_err"], sync["loop"]],
+        ["one varlen kernel", varlen_status, data["varlen_ms"], data["varlen_err"], sync.get("varlen", "")],
+    ]
+    title = f"Packed attention, {len(lengths)} documents in {a.tokens} tokens ({data['dtype']}, {data['device']})"
+    report(a.out, title, columns, rows, data)
+    if agree is False:
+        raise SystemExit(f"the one kernel disagrees with the loop: {err}")
+
+
+if __name__ == "__main__":
+    main()
