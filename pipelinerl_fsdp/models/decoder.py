@@ -242,6 +242,7 @@ class Transformer(nn.Module):
         logprob_chunk_size: int = 1024,
         logprob_positions: torch.Tensor | None = None,
         documents: Documents | None = None,
+        logprob_index: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids, position_ids, targets: [B, T]. Without targets: logits [B, T, V] (fp32).
 
@@ -253,6 +254,8 @@ class Transformer(nn.Module):
         `mask` overrides the packed-causal mask derived from position_ids (the KV cache supplies its own).
         `documents`: the packed sequences as the packer built them on the host (`rl.packing.pack_row`); without them
         they are derived from position_ids, which reads the device back to the host (a sync on a GPU).
+        `logprob_index`: the flat indices into [B * T] of `logprob_positions`' nonzero entries, built on the host by
+        the packer (`rl.packing.nonzero_index`); without it they are read from the mask (a sync on a GPU).
         """
         b, t = input_ids.shape
         if position_ids is None:
@@ -269,12 +272,16 @@ class Transformer(nn.Module):
         h = self.model.norm(h)
         if targets is None:
             return self.lm_head(h).float()
-        if logprob_positions is None:
+        if logprob_positions is None and logprob_index is None:
             return token_logprobs(h, self.lm_head.weight, targets, temperature, logprob_chunk_size)
-        where = logprob_positions.bool()
-        logp, entropy = token_logprobs(h[where], self.lm_head.weight, targets[where], temperature, logprob_chunk_size)
+        # integer indices, not a boolean mask: selecting by a mask counts its entries on the host (a sync on a GPU)
+        if logprob_index is None:
+            logprob_index = logprob_positions.flatten().nonzero().squeeze(1)
+        h, targets_sel = h.flatten(0, 1)[logprob_index], targets.flatten()[logprob_index]
+        logp, entropy = token_logprobs(h, self.lm_head.weight, targets_sel, temperature, logprob_chunk_size)
+        where = (logprob_index // t, logprob_index % t)
         zeros = torch.zeros(targets.shape, dtype=torch.float32, device=h.device)
-        return zeros.masked_scatter(where, logp), zeros.masked_scatter(where, entropy)
+        return zeros.index_put(where, logp), zeros.index_put(where, entropy)
 
 
 def build_model(

@@ -9,7 +9,7 @@ import torch
 
 from pipelinerl_fsdp.episodes import turn_indices
 from pipelinerl_fsdp.rl.loss import LossInput
-from pipelinerl_fsdp.rl.packing import PackedRow, pack_into_bins, pack_row, per_target
+from pipelinerl_fsdp.rl.packing import PackedRow, nonzero_index, pack_into_bins, pack_row, per_target
 from pipelinerl_fsdp.rl.positions import completion_tenths
 from pipelinerl_fsdp.samples import ENV_VERSION, Sample
 
@@ -91,6 +91,7 @@ def rl_micro_batches(
     for b in pack_into_bins([len(s) for s in seqs], budget):
         row_seqs = [seqs[i] for i in b]
         row = pack_row(row_seqs, device)
+        row.logprob_index = nonzero_index([m for i in b for m in per_token["mask"][i]], device)  # the loss's tokens
         fields = {k: per_target(row_seqs, [v[i] for i in b], k, device) for k, v in per_token.items()}
         out.append(RLMicroBatch(**vars(row), loss_input=LossInput(**fields, seq=row.seq_index[0])))
     return out

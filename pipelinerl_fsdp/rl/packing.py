@@ -40,13 +40,15 @@ class PackedRow:
     (restarting per sequence), the targets and the sequence each target belongs to. A micro-batch is a PackedRow
     and the fields its loss reads (`rl.batching.RLMicroBatch`). `documents`: the row's sequences as spans and
     cumulative offsets, built on the host while packing, for the model's attention (None: the model derives them
-    from `position_ids`, a device read)."""
+    from `position_ids`, a device read). `logprob_index`: the flat indices of `logprob_positions()`'s nonzero
+    entries, built on the host (`nonzero_index`; None: the model reads them from the mask, a device read)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     targets: torch.Tensor
     seq_index: torch.Tensor
     documents: Documents | None = field(default=None, kw_only=True)
+    logprob_index: torch.Tensor | None = field(default=None, kw_only=True)
 
     def logprob_positions(self) -> torch.Tensor | None:
         """[1, T], nonzero on the targets whose log-probs the loss reads; None: every target."""
@@ -82,3 +84,9 @@ def per_target(
             raise ValueError(f"per-token field {name!r} of sequence {i} has {len(vals)} values, expected {len(s) - 1}")
         flat.extend(vals)
     return torch.tensor(flat, dtype=torch.float32, device=device)
+
+
+def nonzero_index(values: Sequence[float], device: torch.device | str) -> torch.Tensor:
+    """The positions of the nonzero entries of a per-target field (e.g. the loss mask over a packed row's targets),
+    int64 [n], built on the host: what `field.nonzero()` gives without reading the device back."""
+    return torch.tensor([i for i, x in enumerate(values) if x], dtype=torch.long, device=device)

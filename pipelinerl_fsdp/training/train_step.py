@@ -100,7 +100,8 @@ def forward_backward(
             temperature=temperature,
             logprob_chunk_size=chunk_size,
             logprob_positions=mb.logprob_positions(),  # the loss's tokens only (the dummy pass: its one token)
-            documents=mb.documents,  # the packer's offsets: no device read to find the sequences
+            documents=mb.documents,  # the packer's offsets and indices: no device read in the forward
+            logprob_index=mb.logprob_index,
         )
         if real:
             loss, s = loss_fn(logp, ent, micro_batches[i])
@@ -132,6 +133,7 @@ def add_reference_logprobs(
             logprob_chunk_size=chunk_size,
             logprob_positions=mb.logprob_positions(),
             documents=mb.documents,
+            logprob_index=mb.logprob_index,
         )
         if i < len(micro_batches):
             micro_batches[i].loss_input.ref_logp = logp[0]

@@ -8,7 +8,7 @@ import torch
 
 from pipelinerl_fsdp.models.documents import Documents
 from pipelinerl_fsdp.rl.batching import rl_micro_batches, sample_tokens, split_balanced
-from pipelinerl_fsdp.samples import Sample
+from pipelinerl_fsdp.samples import ENV_VERSION, Sample
 
 
 def sample(n_prompt: int, n_comp: int, adv: float = 0.5, gid: int = 0) -> Sample:
@@ -88,3 +88,18 @@ def test_micro_batches_carry_the_packers_offsets():
         assert mb.documents is not None and mb.documents.cu_seqlens is not None
         ref = Documents.from_positions(mb.position_ids)
         assert mb.documents.spans == ref.spans and mb.documents.cu_seqlens.tolist() == ref.cu_seqlens.tolist()
+
+
+def test_micro_batches_carry_the_loss_tokens_as_indices_built_on_the_host():
+    """`logprob_index` is the loss mask's nonzero positions (what the model would otherwise read from the device),
+    environment tokens of a multi-turn sample excluded."""
+    rng = random.Random(4)
+    samples = [sample(rng.randint(2, 9), rng.randint(1, 20), gid=i) for i in range(12)]
+    samples[0] = sample(5, 10)
+    samples[0].versions[1:3] = [ENV_VERSION, ENV_VERSION]
+    seen_env = False
+    for mb in rl_micro_batches(samples, 40, torch.device("cpu"), version=0):
+        assert mb.logprob_index is not None and mb.logprob_index.dtype == torch.long
+        assert mb.logprob_index.tolist() == mb.loss_input.mask.nonzero().squeeze(1).tolist()
+        seen_env |= bool(((mb.loss_input.mask == 0) & (mb.loss_input.position >= 0)).any())
+    assert seen_env
