@@ -14,7 +14,9 @@ the bf16 loop's plus 1e-3 (bf16 keeps 8 bits of mantissa: ~4e-3 relative per rou
 the output once and accumulate in fp32, in different orders). Timing: the median of `--iters` forward + backward
 passes after `--warmup`, CUDA events on a GPU. Host syncs: each path's forward + backward run under
 `torch.cuda.set_sync_debug_mode("error")` (GPU only), and so is `Documents.from_positions` (the reference, which
-reads positions back). Prints a table; writes JSON.
+reads positions back); and, under `set_sync_debug_mode("warn")`, a whole training forward + backward of the debug
+model with the packer's offsets and log-prob indices, against the same reading positions and mask (`model_packer`
+should be "none"). Prints a table; writes JSON.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ import argparse
 import random
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from benchmarks.harness import RESULTS, report
+from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.models.documents import Documents, document_attention, varlen_document_attention
+from pipelinerl_fsdp.rl.packing import nonzero_index, pack_row
 
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -91,6 +96,32 @@ def syncs(fn: Callable[[], object], device: torch.device) -> str:
         return f"sync: {str(e).splitlines()[0][:100]}"
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def model_syncs(device: torch.device, dtype: torch.dtype, with_packer: bool) -> str:
+    """Host syncs in a training forward + backward of the debug model on packed rows: with the packer's offsets and
+    indices (`documents`, `logprob_index`) or with the model reading them from positions and mask (GPU only)."""
+    if device.type != "cuda":
+        return "n/a (cpu)"
+    args = flavour_args("debug")
+    model = build_model(args, device=device, dtype=dtype, seed=0)
+    g = torch.Generator().manual_seed(0)
+    row = pack_row([torch.randint(0, args.vocab_size, (n,), generator=g).tolist() for n in (40, 7, 90, 25)], device)
+    mask = [float(i % 3 != 0) for i in range(row.targets.shape[1])]
+    kw: dict = {"logprob_positions": torch.tensor(mask, device=device)[None]}
+    if with_packer:
+        kw.update(documents=row.documents, logprob_index=nonzero_index(mask, device))
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            logp, ent = model(row.input_ids, row.position_ids, targets=row.targets, **kw)
+            (logp.sum() + ent.sum()).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    found = [str(w.message).splitlines()[0][:60] for w in caught if "synchroniz" in str(w.message)]
+    return "none" if not found else f"{len(found)}: {found[0]}"
 
 
 def worst_error(xs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
@@ -156,6 +187,8 @@ def main() -> None:
         "loop": syncs(lambda: forward_backward(loop, qkv, grad), device),
         "from_positions": syncs(lambda: Documents.from_positions(positions), device),
     }
+    sync["model_packer"] = model_syncs(device, dtype, with_packer=True)
+    sync["model_positions"] = model_syncs(device, dtype, with_packer=False)
     if "varlen" in got:
         sync["varlen"] = syncs(lambda: forward_backward(one_kernel, qkv, grad), device)
 
