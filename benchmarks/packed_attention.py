@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import RESULTS, report
-from pipelinerl_fsdp.models import build_model, flavour_args
+from pipelinerl_fsdp.models import build_model, documents, flavour_args
 from pipelinerl_fsdp.models.documents import Documents, document_attention, varlen_document_attention
 from pipelinerl_fsdp.rl.packing import nonzero_index, pack_row
 
@@ -163,6 +163,14 @@ def main() -> None:
     def one_kernel(q, k, v):
         return varlen_document_attention(q, k, v, docs, gqa)
 
+    def native_gqa(q, k, v, cu_q, cu_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):
+        """torch's kernel handed k, v with their own (fewer) heads and no `enable_gqa` keyword: what a torch whose
+        varlen_attn lacks the flag (2.10/2.11) would do natively, instead of `call_varlen`'s expansion."""
+        return documents.varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, window_size=window_size)
+
+    def one_kernel_native(q, k, v):
+        return varlen_document_attention(q, k, v, docs, gqa, kernel=native_gqa)
+
     ref = forward_backward(reference, qkv32, grad32)
     got = {"loop": forward_backward(loop, qkv, grad)}
     try:
@@ -170,6 +178,13 @@ def main() -> None:
         varlen_status = "ok"
     except (NotImplementedError, RuntimeError) as e:  # CPU: flash has no CPU kernel
         varlen_status = f"unavailable on {device.type}: {type(e).__name__}"
+    native_status = "not run (no GQA or no kernel)"
+    if gqa and "varlen" in got:  # GQA without expanding k, v: the evidence for dropping the expansion on 2.11
+        try:
+            got["varlen_native_gqa"] = forward_backward(one_kernel_native, qkv, grad)
+            native_status = "ok"
+        except (RuntimeError, TypeError, ValueError) as e:
+            native_status = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
     err = {name: worst_error(v, ref) for name, v in got.items()}
     agree = err["varlen"] <= 2 * err["loop"] + 1e-3 if "varlen" in err else None
 
@@ -207,6 +222,8 @@ def main() -> None:
         if "varlen" in got
         else None,
         "agree": agree,
+        "varlen_native_gqa_status": native_status,
+        "varlen_native_gqa_err": round(err["varlen_native_gqa"], 6) if "varlen_native_gqa" in err else None,
         "loop_ms": round(ms["loop"], 3),
         "varlen_ms": round(ms["varlen"], 3) if "varlen" in ms else None,
         "speedup": round(ms["loop"] / ms["varlen"], 2) if "varlen" in ms else None,
@@ -217,6 +234,7 @@ def main() -> None:
     rows = [
         ["per-document loop", "ok", data["loop_ms"], data["loop_err"], sync["loop"]],
         ["one varlen kernel", varlen_status, data["varlen_ms"], data["varlen_err"], sync.get("varlen", "")],
+        ["one varlen kernel, kv heads as they are", native_status, "", data["varlen_native_gqa_err"], ""],
     ]
     title = f"Packed attention, {len(lengths)} documents in {a.tokens} tokens ({data['dtype']}, {data['device']})"
     report(a.out, title, columns, rows, data)
