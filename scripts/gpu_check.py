@@ -12,7 +12,8 @@ Parts:
   job             the real job, 2 ranks: the FSDP2 trainer on CUDA, the reference engine on a CPU-only rank
                   (the layout of the first part): warm start, in-flight updates, versions, lag, ESS, pause
   ess_fp32_head   the colocated loop (one process, the engine on the GPU in bf16): ESS at lag 0 with the
-  ess_bf16_head   trainer's head in fp32 and in bf16 (what `trainer.fp32_head` buys)
+  ess_bf16_head   trainer's head as a true fp32 root (`trainer.fp32_head=on`) and as bf16 operands with fp32
+                  accumulation and fp32 logits (`auto`, the default): what the faster head costs, if anything
   step / step_ac  the bf16 FSDP2 trainer step on the Qwen2.5-0.5B shape, without and with activation
                   checkpointing: tokens/s, MFU, peak memory next to the plan's prediction, the SDPA kernel
   vllm_*          only where CUDA vLLM is installed (not on the lent machine): vLLM against the reference engine,
@@ -136,7 +137,7 @@ def main() -> None:
     row.update(job_summary(job_out))
     rows.append(row)
 
-    for name, head in (("ess_fp32_head", "on"), ("ess_bf16_head", "off")):
+    for name, head in (("ess_fp32_head", "on"), ("ess_bf16_head", "auto")):
         folder = out / name
         cmd = [
             sys.executable,
