@@ -137,6 +137,9 @@ def main() -> None:
     row.update(job_summary(job_out))
     rows.append(row)
 
+    # bf16 blocks on the GPU ("auto"); the rehearsal asks for them too, since on CPU "auto" is fp32 and every head
+    # setting then computes the same fp32 head
+    params = "bfloat16" if a.cpu else "auto"
     for name, head in (("ess_fp32_head", "on"), ("ess_bf16_head", "auto")):
         folder = out / name
         cmd = [
@@ -148,7 +151,7 @@ def main() -> None:
             f"--job.device={device}",
             f"--warmstart.path={ws}",
             f"--trainer.fp32_head={head}",
-            "--trainer.param_dtype=auto",
+            f"--trainer.param_dtype={params}",
             f"--job.output_dir={folder}",
             "--rl.max_steps=15",
             "--metrics.log_every=5",

@@ -135,7 +135,8 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             torch.add(lse_all[s:e, None].neg(), q, alpha=inv_t, out=q)
             q.exp_()
             q.scatter_add_(1, targets[s:e, None], q.new_full((e - s, 1), -1.0))
-            # the GEMM operand in the weight's dtype; cast after the one-hot, so 1 - p at the target is exact first
+            # the GEMMs' operand in the weight's dtype, cast after the one-hot: p - 1 at the target is formed in
+            # fp32 (p rounded to bf16 first would lose it where p is near 1)
             q_op = q.to(weight.dtype)
             if grad_hidden is not None:
                 grad_hidden[s:e] = fp32_product(q_op, weight).mul_(neg_scale[s:e]).to(hidden.dtype)

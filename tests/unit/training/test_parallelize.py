@@ -80,26 +80,30 @@ def test_fp32_head_setting_resolves_to_the_root_dtype_and_the_logits_rounding():
 def test_each_head_setting_computes_logprobs_at_its_precision(mesh):
     """Under bf16 blocks: "on" equals an fp32 computation from the final hidden states with the fp32 master
     weights; "auto" (bf16 root) equals the fp64 computation from the bf16 hidden states and the bf16-gathered
-    weights, so only the operands carry bf16 rounding; "off" adds the rounding of the logits to bf16."""
+    weights, so only the operands carry bf16 rounding; "off" adds the rounding of the logits to bf16. The head
+    weight's gradient (reduced in fp32) under "auto" is the fp32 head's within bf16 precision."""
     reference = build_model(ARGS, seed=5)
     with torch.no_grad():  # logits of a trained model's size (an init's are ~0.1, where bf16 rounding is small)
         reference.lm_head.weight.mul_(20.0)
     mb = batch(64, seed=1)
-    errors = {}
+    errors, grads = {}, {}
     for setting in ("on", "auto", "off"):
         head = resolve_fp32_head(setting, torch.bfloat16)
         model = apply_fsdp(copy.deepcopy(reference), mesh, torch.bfloat16, torch.float32, head)
         hidden: list[torch.Tensor] = []
-        model.model.norm.register_forward_hook(lambda m, i, out, keep=hidden: keep.append(out))
-        with torch.no_grad():
-            logp, _ = model(mb.input_ids, mb.position_ids, targets=mb.targets)
-            assert hidden[0].dtype == head.root_dtype
-            weight = reference.lm_head.weight.to(head.root_dtype).double()
-            exact = torch.log_softmax(hidden[0].double() @ weight.t(), -1)
-            exact = exact.gather(-1, mb.targets[..., None])[..., 0]
-        errors[setting] = (logp.double() - exact).abs().max().item()
+        model.model.norm.register_forward_hook(lambda m, i, out, keep=hidden: keep.append(out.detach()))
+        logp, _ = model(mb.input_ids, mb.position_ids, targets=mb.targets)
+        logp.mean().backward()
+        grads[setting] = model.lm_head.weight.grad.full_tensor()
+        assert hidden[0].dtype == head.root_dtype
+        weight = reference.lm_head.weight.detach().to(head.root_dtype).double()
+        exact = torch.log_softmax(hidden[0].double() @ weight.t(), -1)
+        exact = exact.gather(-1, mb.targets[..., None])[..., 0]
+        errors[setting] = (logp.detach().double() - exact).abs().max().item()
     # logits up to ~14: fp32 sums are good to ~1e-5 there, an ulp of bf16 is 0.0625
     assert errors["on"] < 3e-5 and errors["auto"] < 3e-5 and errors["off"] > 1e-2, errors
+    assert grads["auto"].dtype == torch.float32
+    assert (grads["auto"] - grads["on"]).norm() < 2e-2 * grads["on"].norm()
 
 
 @pytest.mark.parametrize("defer", [False, True])
