@@ -151,7 +151,7 @@ def main() -> None:
     name = a.model.name if a.model else a.flavour
     plain = build_model(args, device=device, seed=0)
     ours = build_model(args, device=device, seed=0)
-    apply_fsdp(ours, init_device_mesh("cpu", (1,)), torch.float32, torch.float32, False)
+    apply_fsdp(ours, init_device_mesh("cpu", (1,)), torch.float32, torch.float32)
     opt_cfg = OptimizerConfig(lr=1e-6, lr_schedule="constant", warmup_steps=0, grad_clip=1.0)
     our_opt, our_sched = build_optimizer(ours.parameters(), opt_cfg, a.steps + 2)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-6, weight_decay=0.0)

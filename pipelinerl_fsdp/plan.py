@@ -192,7 +192,7 @@ def trainer_memory(
     root = v * h * (1 if args.tie_word_embeddings else 2) + h
     block = (p - root) / layers
     pbytes = 4 if tr.param_dtype == "float32" else 2  # "auto" on GPU: bf16
-    fp32_head = tr.fp32_head == "on" or (tr.fp32_head == "auto" and pbytes < 4)
+    fp32_head = tr.fp32_head == "on"  # "auto" gathers the root in the param dtype (fp32 logits from bf16 operands)
     rbytes = DTYPE_BYTES[tr.reduce_dtype]
     ebytes = engine_dtype_bytes(engine_dtype)
     t = tr.micro_batch_tokens

@@ -104,8 +104,11 @@ class TrainerConfig:
     # true: one reduce-scatter per optimizer step, but FSDP2 then keeps whole (unsharded) fp32 gradients until the
     # last micro-batch (4 bytes per parameter per GPU: 30 GB at 7B); only worth it for small models on slow links
     defer_grad_sync: bool = False
-    # embeddings, final norm and output head kept in fp32 under bf16 mixed precision, so the trainer's log-probs
-    # are computed at the precision the importance ratios need; "auto": on when parameters are bf16
+    # the output head's precision under bf16 mixed precision (the importance ratios need fp32 log-probs):
+    # "auto": the root (embeddings, final norm, head) in bf16, the head's GEMMs on bf16 operands with fp32
+    # accumulation and fp32 logits (tensor cores; logits never rounded to bf16); "on": the root kept and computed
+    # in fp32 (fp32 GEMMs, ~15x slower on an H100); "off": as "auto" with the logits rounded to bf16 (a control).
+    # With fp32 parameters (CPU) all three are the same fp32 head
     fp32_head: Literal["auto", "on", "off"] = "auto"
 
     def check(self) -> list[tuple[str, str]]:

@@ -215,6 +215,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # log-probs from logits rounded to the head's dtype (`trainer.fp32_head = "off"`, set by `apply_fsdp`);
+        # otherwise they are fp32 whatever that dtype
+        self.round_logits = False
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
         """Random init (after construction on the meta device and `to_empty`)."""
@@ -272,13 +275,14 @@ class Transformer(nn.Module):
         h = self.model.norm(h)
         if targets is None:
             return self.lm_head(h).float()
+        w, rounded = self.lm_head.weight, self.round_logits
         if logprob_positions is None and logprob_index is None:
-            return token_logprobs(h, self.lm_head.weight, targets, temperature, logprob_chunk_size)
+            return token_logprobs(h, w, targets, temperature, logprob_chunk_size, rounded)
         # integer indices, not a boolean mask: selecting by a mask counts its entries on the host (a sync on a GPU)
         if logprob_index is None:
             logprob_index = logprob_positions.flatten().nonzero().squeeze(1)
         h, targets_sel = h.flatten(0, 1)[logprob_index], targets.flatten()[logprob_index]
-        logp, entropy = token_logprobs(h, self.lm_head.weight, targets_sel, temperature, logprob_chunk_size)
+        logp, entropy = token_logprobs(h, w, targets_sel, temperature, logprob_chunk_size, rounded)
         where = (logprob_index // t, logprob_index % t)
         zeros = torch.zeros(targets.shape, dtype=torch.float32, device=h.device)
         return zeros.index_put(where, logp), zeros.index_put(where, entropy)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -19,9 +21,24 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def resolve_fp32_head(setting: str, param_dtype: torch.dtype) -> bool:
-    """'auto': an fp32 head whenever the blocks compute in a lower precision."""
-    return setting == "on" or (setting == "auto" and param_dtype != torch.float32)
+@dataclass(frozen=True)
+class HeadPrecision:
+    """How the FSDP root (embeddings, final norm, lm_head) computes: the dtype its parameters are gathered in,
+    and whether the logits are rounded to that dtype (else the head's products return fp32 logits whatever the
+    operands' dtype: `models.logprobs.fp32_product`)."""
+
+    root_dtype: torch.dtype
+    round_logits: bool = False
+
+
+def resolve_fp32_head(setting: str, param_dtype: torch.dtype) -> HeadPrecision:
+    """`trainer.fp32_head`: "on": the root gathered and computed in fp32 (fp32 weights, fp32 GEMMs); "auto": the
+    root in `param_dtype`, the head's products on its operands with fp32 accumulation and fp32 logits (under
+    bf16: tensor-core GEMMs, logits never rounded to bf16); "off": as "auto", but the logits rounded to
+    `param_dtype` (the control that shows what that rounding costs). With fp32 parameters all three are fp32."""
+    if setting == "on":
+        return HeadPrecision(torch.float32)
+    return HeadPrecision(param_dtype, round_logits=setting == "off")
 
 
 def apply_fsdp(
@@ -29,16 +46,18 @@ def apply_fsdp(
     mesh: DeviceMesh,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
-    fp32_head: bool = False,
+    head: HeadPrecision | None = None,
 ) -> Transformer:
-    """Shard each decoder block, then the root (embeddings, final norm, lm_head). With `fp32_head` the root's
-    parameters are gathered and used in fp32 (the blocks still cast their inputs to `param_dtype`), so the final
-    norm, the logits and the log-probs are fp32 computations on fp32 weights."""
+    """Shard each decoder block, then the root (embeddings, final norm, lm_head), whose parameters are gathered
+    in `head.root_dtype` (default: `param_dtype`, fp32 logits); the blocks still cast their inputs to
+    `param_dtype`. The final norm computes in fp32 internally either way."""
+    head = head or HeadPrecision(param_dtype)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    root_dtype = torch.float32 if fp32_head else param_dtype
-    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=root_dtype, reduce_dtype=reduce_dtype))
+    model.round_logits = head.round_logits
+    root = MixedPrecisionPolicy(param_dtype=head.root_dtype, reduce_dtype=reduce_dtype)
+    fully_shard(model, mesh=mesh, mp_policy=root)
     return model
 
 

@@ -1,6 +1,6 @@
 """FSDP2 set-up choices on a one-rank gloo group: activation checkpointing (same gradients, fewer saved
-activations), the fp32 head under bf16 mixed precision, gradients reduced per micro-batch unless deferred, and a
-step whose batch comes in parts (`rl.waves`)."""
+activations), the head's precision settings under bf16 mixed precision, gradients reduced per micro-batch unless
+deferred, and a step whose batch comes in parts (`rl.waves`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.rl.packing import PackedRow
-from pipelinerl_fsdp.training.parallelize import apply_activation_checkpointing, apply_fsdp, resolve_fp32_head
+from pipelinerl_fsdp.training.parallelize import (
+    HeadPrecision,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    resolve_fp32_head,
+)
 from pipelinerl_fsdp.training.train_step import forward_backward
 
 ARGS = flavour_args("debug", vocab_size=64)
@@ -64,27 +69,41 @@ def test_activation_checkpointing_same_gradients_fewer_saved_activations():
     assert apply_activation_checkpointing(ckpt, "off", 1) == 0
 
 
-def test_fp32_head_follows_the_block_precision():
-    assert resolve_fp32_head("auto", torch.bfloat16) and not resolve_fp32_head("auto", torch.float32)
-    assert not resolve_fp32_head("off", torch.bfloat16) and resolve_fp32_head("on", torch.float32)
+def test_fp32_head_setting_resolves_to_the_root_dtype_and_the_logits_rounding():
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert resolve_fp32_head("on", bf16) == HeadPrecision(fp32, round_logits=False)
+    assert resolve_fp32_head("auto", bf16) == HeadPrecision(bf16, round_logits=False)
+    assert resolve_fp32_head("off", bf16) == HeadPrecision(bf16, round_logits=True)
+    assert resolve_fp32_head("auto", fp32).root_dtype == resolve_fp32_head("on", fp32).root_dtype == fp32
 
 
-def test_fp32_head_computes_logprobs_from_fp32_weights(mesh):
-    """Under bf16 blocks, the head's log-probs equal an fp32 computation from the final hidden states with the
-    fp32 master weights; without the fp32 head they carry bf16 rounding."""
+def test_each_head_setting_computes_logprobs_at_its_precision(mesh):
+    """Under bf16 blocks: "on" equals an fp32 computation from the final hidden states with the fp32 master
+    weights; "auto" (bf16 root) equals the fp64 computation from the bf16 hidden states and the bf16-gathered
+    weights, so only the operands carry bf16 rounding; "off" adds the rounding of the logits to bf16. The head
+    weight's gradient (reduced in fp32) under "auto" is the fp32 head's within bf16 precision."""
     reference = build_model(ARGS, seed=5)
+    with torch.no_grad():  # logits of a trained model's size (an init's are ~0.1, where bf16 rounding is small)
+        reference.lm_head.weight.mul_(20.0)
     mb = batch(64, seed=1)
-    errors = {}
-    for fp32_head in (False, True):
-        model = apply_fsdp(copy.deepcopy(reference), mesh, torch.bfloat16, torch.float32, fp32_head)
+    errors, grads = {}, {}
+    for setting in ("on", "auto", "off"):
+        head = resolve_fp32_head(setting, torch.bfloat16)
+        model = apply_fsdp(copy.deepcopy(reference), mesh, torch.bfloat16, torch.float32, head)
         hidden: list[torch.Tensor] = []
-        model.model.norm.register_forward_hook(lambda m, i, out, keep=hidden: keep.append(out))
-        with torch.no_grad():
-            logp, _ = model(mb.input_ids, mb.position_ids, targets=mb.targets)
-            exact = torch.log_softmax(hidden[0].float() @ reference.lm_head.weight.t(), -1)
-            exact = exact.gather(-1, mb.targets[..., None])[..., 0]
-        errors[fp32_head] = (logp - exact).abs().max().item()
-    assert errors[True] < 1e-5 and errors[False] > 1e-3, errors
+        model.model.norm.register_forward_hook(lambda m, i, out, keep=hidden: keep.append(out.detach()))
+        logp, _ = model(mb.input_ids, mb.position_ids, targets=mb.targets)
+        logp.mean().backward()
+        grads[setting] = model.lm_head.weight.grad.full_tensor()
+        assert hidden[0].dtype == head.root_dtype
+        weight = reference.lm_head.weight.detach().to(head.root_dtype).double()
+        exact = torch.log_softmax(hidden[0].double() @ weight.t(), -1)
+        exact = exact.gather(-1, mb.targets[..., None])[..., 0]
+        errors[setting] = (logp.detach().double() - exact).abs().max().item()
+    # logits up to ~14: fp32 sums are good to ~1e-5 there, an ulp of bf16 is 0.0625
+    assert errors["on"] < 3e-5 and errors["auto"] < 3e-5 and errors["off"] > 1e-2, errors
+    assert grads["auto"].dtype == torch.float32
+    assert (grads["auto"] - grads["on"]).norm() < 2e-2 * grads["on"].norm()
 
 
 @pytest.mark.parametrize("defer", [False, True])
