@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from pipelinerl_fsdp.inference.vllm_load import LOADS, InPlaceLoader
+from pipelinerl_fsdp.inference.vllm_load import LOADS, InPlaceLoader, WeightAddresses, graphs_captured
 from pipelinerl_fsdp.runtime.faults import maybe_fail
 from pipelinerl_fsdp.runtime.processes import parent_of
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group
@@ -106,8 +106,18 @@ class WeightUpdateExtension:
         self._pl_staged: list[torch.Tensor] = []  # async mode only: a whole update kept until it is loaded
         self._pl_device = device
         logging.getLogger(RELOAD_LOGGER).addFilter(_drop_rotary_reload_warning)
-        rank = base_rank + int(getattr(self, "rank", 0))
-        self._pl_group = join_store_group(host, port, group_name, rank, size, backend, device, timeout_s, prefix)
+        # the graphs were captured at start-up, before this call: the addresses every update must keep
+        enforce_eager = bool(getattr(getattr(self, "model_config", None), "enforce_eager", True))
+        self._pl_addresses = (
+            WeightAddresses(self.model_runner.get_model())
+            if graphs_captured(device.type == "cuda", enforce_eager)
+            else None
+        )
+        worker = int(getattr(self, "rank", 0))
+        who = f"inference rank {getattr(self, '_pl_rank', -1)}, vLLM worker {worker}"
+        self._pl_group = join_store_group(
+            host, port, group_name, base_rank + worker, size, backend, device, timeout_s, prefix, who
+        )
 
     def set_weight_load(self, load: str) -> None:
         """How the next updates are loaded: one of `vllm_load.LOADS` (see that module)."""
@@ -140,10 +150,10 @@ class WeightUpdateExtension:
             layout = self._pl_layout
             if not self._pl_staged:
                 self._pl_staged = [torch.empty(n, dtype=layout.dtype, device=self._pl_device) for n in layout.sizes]
-            for flat in self._pl_staged:
+            for flat in self._pl_staged:  # async mode: no marks (the trainer does not watch for stalls there)
                 broadcast_bucket(flat, self._pl_group, 0, raw=True)
             return {}
-        return self._load(self._streamed(version))
+        return self._load(self._streamed(version), version)
 
     def token_counts(self) -> dict[str, int]:
         """Output tokens so far of every request this worker's runner holds (between two engine steps)."""
@@ -152,7 +162,7 @@ class WeightUpdateExtension:
     def load_received_weights(self) -> dict[str, int]:
         """Load the update kept by `receive_weight_update(load=False)` (token counts as above)."""
         layout = self._pl_layout
-        return self._load(v for b, flat in enumerate(self._pl_staged) for v in layout.views(b, flat))
+        return self._load((v for b, flat in enumerate(self._pl_staged) for v in layout.views(b, flat)), -1)
 
     def _streamed(self, version: int = -1) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) of every parameter, each bucket received into the next free buffer when the loader
@@ -163,6 +173,7 @@ class WeightUpdateExtension:
             flat = self._pl_buffers[b % len(self._pl_buffers)][: layout.sizes[b]]
             work = broadcast_bucket(flat, self._pl_group, 0, raw=True, wait=False)
             assert work is not None
+            self._pl_group.mark_posted(version, b)  # while the transfer runs: names this engine if it never comes
             return flat, work
 
         nxt = post(0)
@@ -185,7 +196,7 @@ class WeightUpdateExtension:
                 own = self._pl_load == "reload" and not in_decoder_layer(name)
                 yield name, (view.clone() if own else view)
 
-    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, int]:
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, int]:
         counts = output_token_counts(self.model_runner)
         t0 = time.perf_counter()
         self._pl_wait_s = 0.0  # the streamed iterator adds its waits as the load consumes it
@@ -195,6 +206,8 @@ class WeightUpdateExtension:
         else:
             assert self._pl_inplace is not None
             self._pl_inplace.load(weights)
+        if self._pl_addresses is not None:
+            self._pl_addresses.check(version)
         self._pl_load_s = time.perf_counter() - t0
         return counts
 

@@ -15,6 +15,13 @@ Three ways, `inference.vllm_weight_load` ("auto": `resolve_weight_load`):
   small hidden sizes oneDNN's packed kernels gain nothing at decode batch sizes (docs/weight_sync.md).
 
 The plain weights "inplace"/"unpacked" keep on CPU cost one more copy of the linear weights in the worker.
+
+On GPU vLLM captures CUDA graphs at start-up, over the addresses of the weights as they were then: an update
+must copy into that storage. Both ways do (vLLM 0.32: every `weight_loader` of `layers/linear.py` and
+`layers/vocab_parallel_embedding.py`, and `default_weight_loader`, `param.data.copy_` into the parameter or a
+`narrow`ed slice of it; `reload` copies each processed layer back into the storage it saved,
+`reload/layerwise.py`, `_copy_and_restore_kernel_tensors`); a loader that rebinds a parameter instead would leave
+the graphs replaying the old weights, silently. `WeightAddresses` checks it after every update.
 """
 
 from __future__ import annotations
@@ -44,6 +51,38 @@ def resolve_weight_load(load: str, hidden_size: int, on_gpu: bool) -> str:
     if on_gpu:
         return "inplace"
     return "unpacked" if hidden_size <= UNPACKED_MAX_HIDDEN else "inplace"
+
+
+def graphs_captured(on_gpu: bool, enforce_eager: bool) -> bool:
+    """Whether vLLM captured CUDA graphs over the weights' addresses (`enforce_eager` off on a GPU), so that an
+    update that moves a parameter would go unseen by the graphs."""
+    return on_gpu and not enforce_eager
+
+
+class WeightAddresses:
+    """Where every parameter of the served model lives (storage address, dtype, shape), taken once after start-up
+    (the CUDA graphs are captured by then) and checked after each update: one pass over a dict, microseconds."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.taken = self._now()
+
+    def _now(self) -> dict[str, tuple[int, torch.dtype, tuple[int, ...]]]:
+        return {n: (p.data_ptr(), p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()}
+
+    def check(self, version: int) -> None:
+        """Fail, naming the parameters, when the update of `version` moved, re-typed, reshaped, added or dropped
+        any: the captured graphs would go on computing with the old tensors."""
+        now = self._now()
+        changed = sorted(n for n in self.taken.keys() | now.keys() if self.taken.get(n) != now.get(n))
+        if changed:
+            was, got = self.taken.get(changed[0]), now.get(changed[0])
+            raise RuntimeError(
+                f"the weight update of version {version} left {len(changed)} of vLLM's parameters in other storage "
+                f"than at start-up (e.g. {changed[:3]}; {changed[0]}: {was} -> {got}, as (address, dtype, shape)): "
+                "the CUDA graphs captured then would keep replaying the old weights. Load in place "
+                "(inference.vllm_weight_load), or run without graphs (inference.cuda_graphs = false)"
+            )
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -47,7 +47,7 @@ from pipelinerl_fsdp.training.rl_step import RLStep
 from pipelinerl_fsdp.training.rollout_log import RolloutLog, as_text
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, scatter_samples
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group, store_address
-from pipelinerl_fsdp.transport.weights import PushStats, WeightSender
+from pipelinerl_fsdp.transport.weights import PushStats, WeightSender, push_stall_s
 
 
 class MismatchError(RuntimeError):
@@ -392,6 +392,7 @@ def run_trainer(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int)
         bucket_bytes,
         bucket_group,
         cfg.world.timeout_s,
+        stall_s=push_stall_s(cfg.rl.mode, cfg.world.timeout_s),
     )
     collector: Collector | None = None
     receiver: RolloutReceiver | None = None

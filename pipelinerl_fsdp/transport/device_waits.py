@@ -16,25 +16,55 @@ from typing import Any
 import torch
 
 POLL_S = 1e-4
+CHECK_EVERY_S = 1.0  # how often a wait asks its `check` (which may read the store)
+
+# called with the seconds waited so far, at most every CHECK_EVERY_S; raises to end the wait early
+Check = Callable[[float], None]
 
 
-def poll_until(done: Callable[[], bool], what: str, timeout_s: float, poll_s: float = POLL_S) -> None:
-    """Return once `done()` is true; a `TimeoutError` naming `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
+def poll_until(
+    done: Callable[[], bool],
+    what: str,
+    timeout_s: float,
+    poll_s: float = POLL_S,
+    check: Check | None = None,
+    check_every_s: float | None = None,
+) -> None:
+    """Return once `done()` is true; a `TimeoutError` naming `what` after `timeout_s`. `check`, when given, is
+    called every `check_every_s` (default `CHECK_EVERY_S`) with the time waited so far and may fail the wait sooner,
+    with a reason."""
+    check_every_s = CHECK_EVERY_S if check_every_s is None else check_every_s
+    t0 = time.monotonic()
+    deadline, next_check = t0 + timeout_s, t0 + check_every_s
     while not done():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             raise TimeoutError(f"{what}: not complete after {timeout_s:.0f} s (world.timeout_s)")
+        if check is not None and now >= next_check:
+            check(now - t0)
+            next_check = now + check_every_s
         time.sleep(poll_s)
 
 
-def wait_on_host(work: Any, device: torch.device, what: str, timeout_s: float, poll_s: float = POLL_S) -> None:
+def wait_on_host(
+    work: Any,
+    device: torch.device,
+    what: str,
+    timeout_s: float,
+    poll_s: float = POLL_S,
+    check: Check | None = None,
+    check_every_s: float | None = None,
+) -> None:
     """Block until `work` (a `dist.Work`, or a work with `wait`/`is_completed`) has completed on the device, at
-    most `timeout_s`; past that a `TimeoutError` names `what`. CPU works (gloo) wait as they are."""
+    most `timeout_s`; past that a `TimeoutError` names `what`. CPU works (gloo) wait as they are, unless a
+    `check` (see `poll_until`) needs the wait polled."""
     if device.type != "cuda":
+        if check is not None:  # gloo's wait blocks in C++: poll it (at most 0.5 ms late, little CPU), then wait
+            poll_until(work.is_completed, what, timeout_s, max(poll_s, 5e-4), check, check_every_s)
         work.wait()
         return
     work.wait()  # orders the caller's stream after the transfer (and raises an error NCCL already knows of)
-    poll_until(work.is_completed, what, timeout_s, poll_s)
+    poll_until(work.is_completed, what, timeout_s, poll_s, check, check_every_s)
 
 
 class Stopwatch:

@@ -26,12 +26,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from pipelinerl_fsdp.runtime import stopping
-from pipelinerl_fsdp.transport.device_waits import Stopwatch, wait_on_host
-from pipelinerl_fsdp.transport.store_group import StoreGroup
+from pipelinerl_fsdp.transport.device_waits import Check, Stopwatch, wait_on_host
+from pipelinerl_fsdp.transport.store_group import StoreGroup, late_members
 
 UPDATE, STOP = 1, 2
 # send buffers per sender (and receive buffers per vLLM worker): one bucket in flight while the next is gathered
 IN_FLIGHT = 2
+# How long a bucket may wait for engines that have not asked for it while others have (and wait paused) before the
+# push fails naming them. An engine takes an update between two of its steps (a step lasts milliseconds to
+# seconds), so a minute is slack enough and ten times sooner than world.timeout_s's default.
+STALL_S = 60.0
 _LAYER = re.compile(r"^(model\.layers\.\d+)\.")
 # torch 2.13 renamed all_gather_into_tensor (which now warns on every call); older torch has only the old name
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -40,6 +44,13 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def in_decoder_layer(name: str) -> bool:
     """Whether parameter `name` belongs to a decoder layer (`model.layers.N.`): buckets never split those."""
     return _LAYER.match(name) is not None
+
+
+def push_stall_s(mode: str, timeout_s: float) -> float | None:
+    """The sender's `stall_s` for `rl.mode`: None in async mode, where an engine may hold the next update back,
+    legitimately and for as long as its requests take to finish, until the version it holds is evaluated
+    (`inference/worker.py`, `_holding_for_eval`); else `STALL_S`, at most `world.timeout_s`."""
+    return None if mode == "async" else min(STALL_S, timeout_s)
 
 
 def layer_buckets(names_and_numel: list[tuple[str, int]], element_size: int, bucket_bytes: int) -> list[list[int]]:
@@ -137,6 +148,7 @@ class _Pending:
     t_gather_first: float
     t_header: float
     works: list[Any]  # dist.Work, or a store group's work
+    buckets: list[int]  # the bucket each work carries
     ends: list[float] = field(default_factory=list)  # perf_counter() at each work's completion (CPU)
     gathers: Stopwatch | None = None
 
@@ -155,12 +167,15 @@ class WeightSender:
         bucket_bytes: int = 64 * 1024**2,
         bucket_group: StoreGroup | None = None,
         timeout_s: float = 600,
+        stall_s: float | None = None,
     ) -> None:
         """`device`: where the broadcast buffers live (CPU for gloo, the rank's GPU for NCCL).
         `bucket_group`: a store-built group for the buckets (vLLM workers); None: the buckets follow the header.
-        `timeout_s`: how long a push may take to complete before the job fails, naming it."""
+        `timeout_s`: how long a push may take to complete before the job fails, naming it.
+        `stall_s`: with a bucket group, how long a bucket may wait for engines that have not asked for it while
+        other engines have, before the push fails naming them (`push_stall_s`); None: only `timeout_s`."""
         self.params = list(model.named_parameters())
-        self.timeout_s = timeout_s
+        self.timeout_s, self.stall_s = timeout_s, stall_s
         self.group, self.src, self.is_src, self.dtype, self.device = group, src, is_src, dtype, device
         self.bucket_group = bucket_group
         sizes = [(n, p.numel()) for n, p in self.params]
@@ -200,10 +215,10 @@ class WeightSender:
         nbytes, t_gather, t_gather_first = 0, 0.0, 0.0
         gathers = Stopwatch(self.params[0][1].device if self.params else self.device)
         t_header = time.perf_counter()
-        works: list[dist.Work | None] = [None] * len(self._flat)
+        works: list[tuple[Any, int] | None] = [None] * len(self._flat)  # per slot: (work, bucket) in flight
         group, raw = (self.bucket_group, True) if self.bucket_group is not None else (self.group, False)
         sending = self.is_src and stopping.requested() is None
-        direct: list[dist.Work | None] = []  # buckets sent from the parameter itself
+        direct: list[tuple[Any, int]] = []  # buckets sent from the parameter itself
         for b, bucket in enumerate(self.buckets):
             slot = b % max(len(self._flat), 1)
             t0 = time.perf_counter()
@@ -211,7 +226,7 @@ class WeightSender:
             if flat is None:
                 try:
                     if sending and works[slot] is not None:
-                        works[slot].wait()  # the buffer's previous bucket has left
+                        self._reuse_after(*works[slot], version)  # the buffer's previous bucket has left
                 except RuntimeError:
                     if not stopping.explains_failure():
                         raise
@@ -236,9 +251,9 @@ class WeightSender:
                     t_header = time.perf_counter()
                 work = broadcast_bucket(flat, group, self.src, raw=raw, wait=False)
                 if self._direct[b]:
-                    direct.append(work)
+                    direct.append((work, b))
                 else:
-                    works[slot] = work
+                    works[slot] = (work, b)
                 nbytes += flat.numel() * flat.element_size()
             except RuntimeError:
                 if not stopping.explains_failure():
@@ -246,7 +261,10 @@ class WeightSender:
                 sending = False
         if self.is_src and not sending:
             return None
-        pending = _Pending(version, nbytes, t_gather, t_gather_first, t_header, [w for w in works + direct if w])
+        in_flight = [w for w in works if w is not None] + direct
+        pending = _Pending(
+            version, nbytes, t_gather, t_gather_first, t_header, [w for w, _ in in_flight], [b for _, b in in_flight]
+        )
         pending.gathers = gathers
         if self.device.type == "cpu":  # when each transfer ends, even while the trainer is busy elsewhere
             for w in pending.works:
@@ -262,8 +280,8 @@ class WeightSender:
         if p is None:
             return None
         try:
-            for w in p.works:
-                wait_on_host(w, self.device, f"the weight push of version {p.version}", self.timeout_s)
+            for b, w in sorted(zip(p.buckets, p.works), key=lambda bw: bw[0]):  # the earliest bucket first
+                wait_on_host(w, self.device, self._what(p.version, b), self.timeout_s, check=self._stall(p.version, b))
         except RuntimeError:
             if stopping.explains_failure():
                 return None
@@ -275,6 +293,45 @@ class WeightSender:
         t_gather = p.gathers.seconds() if p.gathers is not None and p.gathers.on_device else p.t_gather
         t_bcast = t_end - p.t_header - (p.t_gather - p.t_gather_first)
         return PushStats(p.version, p.nbytes, t_gather, max(t_bcast, 0.0))
+
+    def _what(self, version: int, bucket: int) -> str:
+        return f"the weight push of version {version} (bucket {bucket} of {len(self.buckets)})"
+
+    def _reuse_after(self, work: Any, bucket: int, version: int) -> None:
+        """Before a send buffer takes the next bucket: the bucket it holds must have been read by its transfer.
+        A transfer on a CUDA stream of its own (`EventWork`) orders the caller's stream after it, on the device:
+        the host goes on gathering (launching) the next buckets, which the device runs once the buffer is free, so
+        the first trainer rank no longer stalls on every bucket but the first IN_FLIGHT, and still holds only
+        IN_FLIGHT buffers; `finish` waits for the transfers on the host, against the deadline. A torch NCCL work's
+        `wait()` orders the stream too; a gloo work's blocks the host (the CPU copies it makes must be done)."""
+        order_after = getattr(work, "order_after", None)
+        if order_after is not None:
+            order_after()
+        elif self.device.type == "cuda":
+            work.wait()
+        else:
+            wait_on_host(
+                work, self.device, self._what(version, bucket), self.timeout_s, check=self._stall(version, bucket)
+            )
+
+    def _stall(self, version: int, bucket: int) -> Check | None:
+        """The check of a wait for `bucket` (see `stall_s`): once it has waited `stall_s`, read the engines' marks
+        (`StoreGroup.posted`) and fail naming those behind the furthest engine (`late_members`)."""
+        group, stall_s = self.bucket_group, self.stall_s
+        if group is None or stall_s is None or not self.is_src:
+            return None
+
+        def check(waited_s: float) -> None:
+            if waited_s < stall_s:
+                return
+            late = late_members(group.posted(), version)
+            if late:
+                raise TimeoutError(
+                    f"{self._what(version, bucket)}: not through after {waited_s:.0f} s; behind the other engines, "
+                    f"which wait paused: {'; '.join(late)}: dead or stuck (stall limit {stall_s:.0f} s)"
+                )
+
+        return check
 
     def _as_is(self, bucket: list[int]) -> torch.Tensor | None:
         """A bucket of one parameter that this rank holds whole, contiguous and in the engine dtype (a 1-rank

@@ -3,12 +3,19 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterable
 
 import pytest
 import torch
 
-from pipelinerl_fsdp.inference.vllm_load import UNPACKED_MAX_HIDDEN, InPlaceLoader, resolve_weight_load
+from pipelinerl_fsdp.inference.vllm_load import (
+    UNPACKED_MAX_HIDDEN,
+    InPlaceLoader,
+    WeightAddresses,
+    graphs_captured,
+    resolve_weight_load,
+)
 
 
 def test_auto_is_inplace_on_gpu_whatever_the_size():
@@ -76,3 +83,89 @@ def test_a_linear_left_out_of_the_update_is_an_error_not_a_stale_kernel():
     m = Model()
     with pytest.raises(RuntimeError, match=r"left 1 linear weights unloaded.*'b'"):
         InPlaceLoader(m, unpacked=True).load([("a.weight", torch.randn(4, 4))])
+
+
+class Served(torch.nn.Module):
+    """A served model as vLLM holds it on GPU: a fused q/k/v weight loaded slice by slice (as
+    `QKVParallelLinear.weight_loader` does, `narrow` then `copy_`) and a norm; `rebind`: the norm's loader gives it
+    new storage instead of copying into it."""
+
+    def __init__(self, rebind: bool = False) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Parameter(torch.zeros(6, 2), requires_grad=False)
+        self.norm = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+        self.rebind = rebind
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        for name, t in weights:
+            if name in ("q", "k", "v"):
+                self.qkv.data.narrow(0, 2 * "qkv".index(name), 2).copy_(t)
+            elif self.rebind:
+                self.norm.data = t.clone()
+            else:
+                self.norm.data.copy_(t)
+        return {"qkv", "norm"}
+
+
+UPDATE = [("q", torch.full((2, 2), 1.0)), ("k", torch.full((2, 2), 2.0)), ("v", torch.full((2, 2), 3.0))]
+
+
+def test_graphs_are_captured_only_on_gpu_without_enforce_eager():
+    assert graphs_captured(on_gpu=True, enforce_eager=False)
+    assert not graphs_captured(on_gpu=True, enforce_eager=True)
+    assert not graphs_captured(on_gpu=False, enforce_eager=False)
+
+
+def test_an_update_copied_in_place_keeps_every_address():
+    m = Served()
+    addresses = WeightAddresses(m)
+    m.load_weights([*UPDATE, ("norm", torch.full((2,), 5.0))])
+    addresses.check(3)
+    assert torch.equal(m.qkv[4:], torch.full((2, 2), 3.0)) and torch.equal(m.norm, torch.full((2,), 5.0))
+
+
+def test_a_loader_that_rebinds_a_parameter_fails_named_after_the_update():
+    m = Served(rebind=True)
+    addresses = WeightAddresses(m)
+    m.load_weights([*UPDATE, ("norm", torch.full((2,), 5.0))])
+    with pytest.raises(RuntimeError, match=r"version 3 left 1 of vLLM's parameters .*\['norm'\].*old weights"):
+        addresses.check(3)
+    m = Served()
+    addresses = WeightAddresses(m)
+    m.norm.data = m.norm.data.to(torch.float64)  # same values, other storage and dtype
+    with pytest.raises(RuntimeError, match=r"torch.float32, \(2,\)\) -> \(\d+, torch.float64"):
+        addresses.check(4)
+
+
+def test_the_worker_checks_the_addresses_after_each_load():
+    from pipelinerl_fsdp.inference.vllm_extension import WeightUpdateExtension
+
+    for rebind in (False, True):
+        m = Served(rebind=rebind)
+        ext = WeightUpdateExtension()
+        ext.model_runner = types.SimpleNamespace(requests={}, get_model=lambda m=m: m)
+        ext._pl_load, ext._pl_inplace, ext._pl_addresses = (
+            "inplace",
+            InPlaceLoader(m, unpacked=False),
+            WeightAddresses(m),
+        )
+        if rebind:
+            with pytest.raises(RuntimeError, match="version 5 left 1 of vLLM's parameters"):
+                ext._load(iter([("norm", torch.zeros(2))]), 5)
+        else:
+            assert ext._load(iter([("norm", torch.zeros(2))]), 5) == {}
+
+
+def test_vllms_generic_loader_copies_into_the_parameters():
+    # what every model's `load_weights` goes through (`AutoWeightsLoader._load_param`: the parameter's
+    # `weight_loader`, else `default_weight_loader`, which copies into `param.data`)
+    utils = pytest.importorskip("vllm.model_executor.models.utils")
+    m = torch.nn.Module()
+    m.layer = torch.nn.Linear(2, 3)
+    m.norm = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    addresses = WeightAddresses(m)
+    new = {"layer.weight": torch.randn(3, 2), "layer.bias": torch.randn(3), "norm": torch.randn(3)}
+    assert utils.AutoWeightsLoader(m).load_weights(list(new.items())) == set(new)
+    addresses.check(1)
+    for name, t in new.items():
+        assert torch.equal(m.get_parameter(name), t)

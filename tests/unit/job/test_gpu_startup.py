@@ -201,10 +201,17 @@ def test_gpu_bucket_group_is_vllms_own_nccl(monkeypatch):
     fake_utils.StatelessProcessGroup = FakeSPG
     fake_pynccl = types.ModuleType("vllm.distributed.device_communicators.pynccl")
     fake_pynccl.PyNcclCommunicator = FakeComm
+    monkeypatch.setitem(sys.modules, "vllm", sys.modules.get("vllm", types.ModuleType("vllm")))  # no real import
     monkeypatch.setitem(sys.modules, "vllm.distributed.utils", fake_utils)
     monkeypatch.setitem(sys.modules, "vllm.distributed.device_communicators.pynccl", fake_pynccl)
     monkeypatch.setattr(store_group.dist, "TCPStore", lambda *a, **k: "tcp")
-    monkeypatch.setattr(store_group.dist, "PrefixStore", lambda prefix, store: (prefix, store))
+    marks = {}
+
+    class FakePrefixStore(tuple):
+        def set(self, key, value):  # a worker's progress mark (`StoreGroup.mark_posted`)
+            marks[key] = value
+
+    monkeypatch.setattr(store_group.dist, "PrefixStore", lambda prefix, store: FakePrefixStore((prefix, store)))
     monkeypatch.setattr(store_group.torch.cuda, "Stream", lambda device: "stream")
     streams = []
     monkeypatch.setattr(store_group.torch.cuda, "current_stream", lambda device=None: "caller's stream")
@@ -218,6 +225,7 @@ def test_gpu_bucket_group_is_vllms_own_nccl(monkeypatch):
     assert isinstance(g, store_group.PyNcclStoreGroup)
     assert made["spg"] == (2, 3, ("p/vllm_weights/", "tcp"))
     assert made["comm"][1] == torch.device("cuda", 1)
+    assert marks == {"posted/2": "-1 -1 member 2 of group 'vllm_weights'"}  # nothing posted yet
     assert streams == ["caller's stream"]  # vLLM's communicator set-up may switch the thread's stream: restored
     with pytest.raises(ValueError, match="NCCL needs a CUDA device"):
         store_group.join_store_group("h", 1, "g", 0, 2, "nccl", torch.device("cpu"), 5, "p/")
