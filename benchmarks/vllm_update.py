@@ -41,7 +41,7 @@ from pipelinerl_fsdp.models import FLAVOURS, build_model, flavour_args, load_hf_
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer, load_tokenizer
 from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
-from pipelinerl_fsdp.transport.weights import WeightReceiver, WeightSender
+from pipelinerl_fsdp.transport.weights import WeightReceiver, WeightSender, push_stall_s
 
 BUCKET = 64 * 1024**2
 
@@ -83,7 +83,9 @@ def bench(
     dist.barrier()
     if world.rank == 0:
         group = join_store_group(*store_address(), f"bench_{name}", 0, 2, "gloo", torch.device("cpu"), 600)
-        sender = WeightSender(model, world.weight_group, 0, True, wire, torch.device("cpu"), BUCKET, group)
+        stall_s = push_stall_s("pipeline", 600)  # as the job's sender: its waits poll for engines left behind
+        cpu = torch.device("cpu")
+        sender = WeightSender(model, world.weight_group, 0, True, wire, cpu, BUCKET, group, 600, stall_s)
         for v in range(1, n_updates * len(loads) + 1):
             dist.barrier()  # the engine is generating
             sender.push(v)

@@ -63,6 +63,11 @@ def wait_on_host(
             poll_until(work.is_completed, what, timeout_s, max(poll_s, 5e-4), check, check_every_s)
         work.wait()
         return
+    order_after = getattr(work, "order_after", None)
+    if order_after is not None:  # a transfer on a stream of its own, whose `wait()` polls without the check
+        poll_until(work.is_completed, what, timeout_s, poll_s, check, check_every_s)
+        order_after()
+        return
     work.wait()  # orders the caller's stream after the transfer (and raises an error NCCL already knows of)
     poll_until(work.is_completed, what, timeout_s, poll_s, check, check_every_s)
 

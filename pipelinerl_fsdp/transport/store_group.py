@@ -70,14 +70,18 @@ def import_vllm_nccl() -> tuple[type, type, Callable[[], AbstractContextManager[
     (measured: 2 -> 1 here) and pass vLLM's values to every process it starts. So Inductor's config is imported
     first, from our environment, and the environment is put back after the import (what changed is kept in
     `VLLM_IMPORT_ENV`). In vLLM's own processes (its workers), where vLLM is already imported, nothing changes."""
-    if "vllm" not in sys.modules:
-        import torch._inductor.config  # noqa: F401  (decides its thread count from our environment, not vLLM's)
+    if "vllm" in sys.modules:
+        return _vllm_nccl()
+    import torch._inductor.config  # noqa: F401  (decides its thread count from our environment, not vLLM's)
 
-        before = dict(os.environ)
-        try:
-            import vllm  # noqa: F401
-        finally:
-            VLLM_IMPORT_ENV.update(restore_environ(before))
+    before = dict(os.environ)
+    try:
+        return _vllm_nccl()
+    finally:
+        VLLM_IMPORT_ENV.update(restore_environ(before))
+
+
+def _vllm_nccl() -> tuple[type, type, Callable[[], AbstractContextManager[Any]]]:
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.utils import StatelessProcessGroup
 

@@ -166,6 +166,22 @@ def test_an_engine_that_never_asks_fails_the_push_fast_and_named(monkeypatch, or
     assert time.monotonic() - t0 < 5  # the stall limit, not world.timeout_s
 
 
+def test_a_gpu_wait_on_a_stream_transfer_runs_the_stall_check(monkeypatch):
+    # `EventWork.wait()` polls to its deadline without the check: the wait polls the transfer itself, then orders
+    monkeypatch.setattr(device_waits, "CHECK_EVERY_S", 0.0)
+    ordered = []
+    work = types.SimpleNamespace(is_completed=lambda: False, order_after=lambda: ordered.append(1), wait=None)
+
+    def check(waited_s: float) -> None:
+        raise TimeoutError("engine X is behind")
+
+    with pytest.raises(TimeoutError, match="engine X is behind"):
+        device_waits.wait_on_host(work, torch.device("cuda", 0), "bucket 0", 5, check=check)
+    done = types.SimpleNamespace(is_completed=lambda: True, order_after=lambda: ordered.append(2), wait=None)
+    device_waits.wait_on_host(done, torch.device("cuda", 0), "bucket 0", 5, check=check)
+    assert ordered == [2]
+
+
 def test_with_no_engine_ahead_the_push_waits_for_the_timeout(monkeypatch):
     monkeypatch.setattr(device_waits, "CHECK_EVERY_S", 0.01)
     group = FakeGroup(completes=False)

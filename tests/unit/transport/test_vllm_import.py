@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[3]
 
 PROBE = """
 import json, os, sys
+import torch._inductor.config as inductor  # sets Inductor's own cache folder, on any rank that imports it
 before = dict(os.environ)
 from pipelinerl_fsdp.transport import store_group
 store_group.import_vllm_nccl()
-import torch._inductor.config as inductor
 after = dict(os.environ)
 keys = before.keys() | after.keys()
 print(json.dumps({
