@@ -40,8 +40,9 @@ from pipelinerl_fsdp.job.world import init_world
 from pipelinerl_fsdp.models import FLAVOURS, build_model, flavour_args, load_hf_model, save_hf_folder
 from pipelinerl_fsdp.tasks.arithmetic import ALPHABET
 from pipelinerl_fsdp.tokenizer import build_char_tokenizer, load_tokenizer
+from pipelinerl_fsdp.transport.stalls import push_stall_s
 from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
-from pipelinerl_fsdp.transport.weights import WeightReceiver, WeightSender, push_stall_s
+from pipelinerl_fsdp.transport.weights import WeightReceiver, WeightSender
 
 BUCKET = 64 * 1024**2
 

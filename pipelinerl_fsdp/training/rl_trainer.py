@@ -46,8 +46,9 @@ from pipelinerl_fsdp.training.policy import Policy, build_policy, load_sharded
 from pipelinerl_fsdp.training.rl_step import RLStep
 from pipelinerl_fsdp.training.rollout_log import RolloutLog, as_text
 from pipelinerl_fsdp.transport.rollouts import RolloutReceiver, scatter_samples
+from pipelinerl_fsdp.transport.stalls import push_stall_s
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, join_store_group, store_address
-from pipelinerl_fsdp.transport.weights import PushStats, WeightSender, push_stall_s
+from pipelinerl_fsdp.transport.weights import PushStats, WeightSender
 
 
 class MismatchError(RuntimeError):

@@ -72,6 +72,21 @@ def wait_on_host(
     poll_until(work.is_completed, what, timeout_s, poll_s, check, check_every_s)
 
 
+def free_for_reuse(work: Any, device: torch.device, what: str, timeout_s: float, check: Check | None = None) -> None:
+    """Before a buffer that `work` reads takes new data. A transfer on a CUDA stream of its own (`order_after`:
+    `store_group.EventWork`) orders the caller's stream after it, on the device, without blocking the host: what
+    writes the buffer next runs once the transfer has read it, and a later host wait (`wait_on_host`) catches a
+    transfer that never completes. A torch NCCL work's `wait()` orders the stream too; a gloo work's blocks the
+    host (against `timeout_s`, with `check`, as `wait_on_host`)."""
+    order_after = getattr(work, "order_after", None)
+    if order_after is not None:
+        order_after()
+    elif device.type == "cuda":
+        work.wait()
+    else:
+        wait_on_host(work, device, what, timeout_s, check=check)
+
+
 class Stopwatch:
     """Sums the time of the blocks run under `with stopwatch:`. On CPU the host clock; on GPU a pair of CUDA events
     per block on the current stream, read (one synchronisation) when `seconds()` is asked."""

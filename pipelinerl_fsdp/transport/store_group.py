@@ -8,7 +8,7 @@ MASTER_ADDR:MASTER_PORT, under a prefix of its own, and builds a gloo group (CPU
 registered with `torch.distributed`'s default world.
 
 Receiving members mark in the store which bucket of which update they have posted (`mark_posted`), so that a
-push stalled on one bucket can name the engines that never asked for it (`late_members`).
+push stalled on one bucket can name the engines that never asked for it (`transport/stalls.py`).
 """
 
 from __future__ import annotations
@@ -90,23 +90,6 @@ def _vllm_nccl() -> tuple[type, type, Callable[[], AbstractContextManager[Any]]]
     except ImportError:  # a vLLM without NCCL pins: nothing to undo
         unpinned_nccl_env = nullcontext
     return PyNcclCommunicator, StatelessProcessGroup, unpinned_nccl_env
-
-
-def late_members(posted: dict[int, tuple[int, int, str]], version: int) -> list[str]:
-    """The receiving members behind the furthest one in the update of `version`: they hold up a broadcast that the
-    others wait in, paused. A member posts a bucket only once the one before it has arrived, so in a live update
-    all are within a bucket of each other, and a member left behind for long is dead, or stuck (in its step, its
-    loader, its GPU). Empty when no member has posted a bucket of `version`: nothing then tells a dead engine from
-    one that has not reached the update yet. `posted`: member rank -> (version, bucket, who), each member's last
-    mark (`StoreGroup.posted`)."""
-    ahead = max(((v, b) for v, b, _ in posted.values() if v == version), default=None)
-    if ahead is None:
-        return []
-    return [
-        f"{who} (member {r}, at bucket {b} of version {v}; the furthest engine has posted bucket {ahead[1]})"
-        for r, (v, b, who) in sorted(posted.items())
-        if (v, b) < ahead
-    ]
 
 
 class StoreGroup:

@@ -26,16 +26,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from pipelinerl_fsdp.runtime import stopping
-from pipelinerl_fsdp.transport.device_waits import Check, Stopwatch, wait_on_host
-from pipelinerl_fsdp.transport.store_group import StoreGroup, late_members
+from pipelinerl_fsdp.transport.device_waits import Check, Stopwatch, free_for_reuse, wait_on_host
+from pipelinerl_fsdp.transport.stalls import stall_check
+from pipelinerl_fsdp.transport.store_group import StoreGroup
 
 UPDATE, STOP = 1, 2
 # send buffers per sender (and receive buffers per vLLM worker): one bucket in flight while the next is gathered
 IN_FLIGHT = 2
-# How long a bucket may wait for engines that have not asked for it while others have (and wait paused) before the
-# push fails naming them. An engine takes an update between two of its steps (a step lasts milliseconds to
-# seconds), so a minute is slack enough and ten times sooner than world.timeout_s's default.
-STALL_S = 60.0
 _LAYER = re.compile(r"^(model\.layers\.\d+)\.")
 # torch 2.13 renamed all_gather_into_tensor (which now warns on every call); older torch has only the old name
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -44,13 +41,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 def in_decoder_layer(name: str) -> bool:
     """Whether parameter `name` belongs to a decoder layer (`model.layers.N.`): buckets never split those."""
     return _LAYER.match(name) is not None
-
-
-def push_stall_s(mode: str, timeout_s: float) -> float | None:
-    """The sender's `stall_s` for `rl.mode`: None in async mode, where an engine may hold the next update back,
-    legitimately and for as long as its requests take to finish, until the version it holds is evaluated
-    (`inference/worker.py`, `_holding_for_eval`); else `STALL_S`, at most `world.timeout_s`."""
-    return None if mode == "async" else min(STALL_S, timeout_s)
 
 
 def layer_buckets(names_and_numel: list[tuple[str, int]], element_size: int, bucket_bytes: int) -> list[list[int]]:
@@ -171,9 +161,8 @@ class WeightSender:
     ) -> None:
         """`device`: where the broadcast buffers live (CPU for gloo, the rank's GPU for NCCL).
         `bucket_group`: a store-built group for the buckets (vLLM workers); None: the buckets follow the header.
-        `timeout_s`: how long a push may take to complete before the job fails, naming it.
-        `stall_s`: with a bucket group, how long a bucket may wait for engines that have not asked for it while
-        other engines have, before the push fails naming them (`push_stall_s`); None: only `timeout_s`."""
+        `timeout_s`: how long a push may take to complete before the job fails, naming it; `stall_s`: sooner,
+        naming the engines left behind (`transport/stalls.py`; None: never)."""
         self.params = list(model.named_parameters())
         self.timeout_s, self.stall_s = timeout_s, stall_s
         self.group, self.src, self.is_src, self.dtype, self.device = group, src, is_src, dtype, device
@@ -225,8 +214,11 @@ class WeightSender:
             flat = self._as_is(bucket) if sending and self._direct[b] else None
             if flat is None:
                 try:
-                    if sending and works[slot] is not None:
-                        self._reuse_after(*works[slot], version)  # the buffer's previous bucket has left
+                    if sending and works[slot] is not None:  # its bucket read: on GPU ordered on the device, so
+                        w, held = works[slot]  # the host never stalls here (it did on all but IN_FLIGHT buckets)
+                        free_for_reuse(
+                            w, self.device, self._what(version, held), self.timeout_s, self._stall(version, held)
+                        )
                 except RuntimeError:
                     if not stopping.explains_failure():
                         raise
@@ -297,41 +289,10 @@ class WeightSender:
     def _what(self, version: int, bucket: int) -> str:
         return f"the weight push of version {version} (bucket {bucket} of {len(self.buckets)})"
 
-    def _reuse_after(self, work: Any, bucket: int, version: int) -> None:
-        """Before a send buffer takes the next bucket: the bucket it holds must have been read by its transfer.
-        A transfer on a CUDA stream of its own (`EventWork`) orders the caller's stream after it, on the device:
-        the host goes on gathering (launching) the next buckets, which the device runs once the buffer is free, so
-        the first trainer rank no longer stalls on every bucket but the first IN_FLIGHT, and still holds only
-        IN_FLIGHT buffers; `finish` waits for the transfers on the host, against the deadline. A torch NCCL work's
-        `wait()` orders the stream too; a gloo work's blocks the host (the CPU copies it makes must be done)."""
-        order_after = getattr(work, "order_after", None)
-        if order_after is not None:
-            order_after()
-        elif self.device.type == "cuda":
-            work.wait()
-        else:
-            wait_on_host(
-                work, self.device, self._what(version, bucket), self.timeout_s, check=self._stall(version, bucket)
-            )
-
     def _stall(self, version: int, bucket: int) -> Check | None:
-        """The check of a wait for `bucket` (see `stall_s`): once it has waited `stall_s`, read the engines' marks
-        (`StoreGroup.posted`) and fail naming those behind the furthest engine (`late_members`)."""
-        group, stall_s = self.bucket_group, self.stall_s
-        if group is None or stall_s is None or not self.is_src:
-            return None
-
-        def check(waited_s: float) -> None:
-            if waited_s < stall_s:
-                return
-            late = late_members(group.posted(), version)
-            if late:
-                raise TimeoutError(
-                    f"{self._what(version, bucket)}: not through after {waited_s:.0f} s; behind the other engines, "
-                    f"which wait paused: {'; '.join(late)}: dead or stuck (stall limit {stall_s:.0f} s)"
-                )
-
-        return check
+        """The check of a wait for `bucket`: the engines left behind, named after `stall_s` (`stalls.stall_check`)."""
+        group = self.bucket_group if self.is_src else None
+        return stall_check(group, self.stall_s, version, self._what(version, bucket))
 
     def _as_is(self, bucket: list[int]) -> torch.Tensor | None:
         """A bucket of one parameter that this rank holds whole, contiguous and in the engine dtype (a 1-rank

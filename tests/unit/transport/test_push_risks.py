@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from pipelinerl_fsdp.transport import device_waits, store_group
-from pipelinerl_fsdp.transport.store_group import StoreGroup, late_members
-from pipelinerl_fsdp.transport.weights import IN_FLIGHT, STALL_S, WeightSender, push_stall_s
+from pipelinerl_fsdp.transport.stalls import STALL_S, late_members, push_stall_s
+from pipelinerl_fsdp.transport.store_group import StoreGroup
+from pipelinerl_fsdp.transport.weights import IN_FLIGHT, WeightSender
 
 
 class Model(torch.nn.Module):
