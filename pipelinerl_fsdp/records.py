@@ -83,3 +83,15 @@ def total(records: Iterable[R], empty: R) -> R:
 def reductions(record_type: type) -> list[str]:
     """The reductions a record type's fields use, in the order of their first field."""
     return list(dict.fromkeys(reduction(f) for f in dataclasses.fields(record_type)))
+
+
+def positions(record_type: type, reduce: str) -> list[int]:
+    """Indices, in a record's `values`, of the values its fields combined with `reduce` give."""
+    out: list[int] = []
+    i = 0
+    for f in dataclasses.fields(record_type):
+        n = f.metadata["size"] or 1
+        if reduction(f) == reduce:
+            out.extend(range(i, i + n))
+        i += n
+    return out

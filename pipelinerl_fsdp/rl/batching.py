@@ -93,5 +93,5 @@ def rl_micro_batches(
         row = pack_row(row_seqs, device)
         row.logprob_index = nonzero_index([m for i in b for m in per_token["mask"][i]], device)  # the loss's tokens
         fields = {k: per_target(row_seqs, [v[i] for i in b], k, device) for k, v in per_token.items()}
-        out.append(RLMicroBatch(**vars(row), loss_input=LossInput(**fields, seq=row.seq_index[0])))
+        out.append(RLMicroBatch(**vars(row), loss_input=LossInput(**fields, seq=row.seq_index[0], n_seq=len(b))))
     return out

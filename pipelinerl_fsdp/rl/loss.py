@@ -9,10 +9,13 @@ All inputs are per output token of one packed micro-batch, flattened; `mask` is 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from pipelinerl_fsdp import records
 from pipelinerl_fsdp.config import LossConfig
 from pipelinerl_fsdp.records import MAX, SUM, stat
 from pipelinerl_fsdp.rl.objectives import OBJECTIVES, Tokens
@@ -57,6 +60,7 @@ class LossInput:
     turn: torch.Tensor | None = None  # each token's model-turn index, from 1 (0 elsewhere)
     ref_logp: torch.Tensor | None = None  # log-probs under the frozen reference model (rl.kl_coef > 0)
     lag: torch.Tensor | None = None  # trained version - the token's version (loss.max_token_lag; 0 off the mask)
+    n_seq: int | None = None  # sequences in the micro-batch (None: read from `seq`, a wait for the device on GPU)
 
 
 @dataclass
@@ -128,14 +132,26 @@ def policy_loss(
     it), and per range of POSITION_BINS (`batch.position`). With `batch.turn`: tokens, sum rho and sum rho^2 per
     turn index (up to TURN_BINS, the last counting every later turn). With `batch.tenth`: tokens, sum rho, sum rho^2
     and sum |log rho| per tenth of the completion, over every counted token whatever its lag.
-    """
+
+    The statistics come to the host here (one copy); the training step keeps them on the device instead
+    (`micro_batch_loss`, `add_sums`)."""
+    loss, parts = loss_parts(logp, batch, cfg, kl_coef)
+    return loss, stats_from_sums(stat_sums(parts, logp.device))
+
+
+def loss_parts(
+    logp: torch.Tensor, batch: LossInput, cfg: LossConfig, kl_coef: float = 0.0
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`policy_loss`'s loss and its statistics as device tensors by `LossStats` field name (0-d, or [size] for the
+    tuple fields; a field left out keeps its default), read nowhere: nothing here waits for the device, given
+    `batch.n_seq`."""
     objective = OBJECTIVES.get(cfg.name)
     if objective is None:
         raise ValueError(f"unknown loss {cfg.name!r}; registered: {sorted(OBJECTIVES)}")
     b, mask = batch, batch.mask
     log_ratio = (logp - b.behaviour_logp).clamp(max=30.0)  # exp() stays finite for wildly stale tokens
     seq = b.seq if b.seq is not None else torch.zeros_like(mask, dtype=torch.long)
-    n_seq = int(seq.max()) + 1 if seq.numel() else 0
+    n_seq = b.n_seq if b.n_seq is not None else int(seq.max()) + 1 if seq.numel() else 0
     t = Tokens(logp, log_ratio, b.advantage, mask, seq, n_seq)
     token_keep, seq_keep = mismatch_masks(t, cfg.mask_low, cfg.mask_high)
     keep = {"none": torch.ones_like(mask), "token": token_keep, "sequence": seq_keep}[cfg.mask]
@@ -146,86 +162,127 @@ def policy_loss(
     out = objective(t, cfg)
     counted = mask * keep
     loss = (out.loss * counted * b.weight).sum()
-    kl_sum = 0.0
+    parts: dict[str, torch.Tensor] = {}
     if b.ref_logp is not None and kl_coef > 0:
         d = (b.ref_logp - logp).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
         kl = torch.exp(d) - d - 1
         loss = loss + kl_coef * (kl * mask * b.weight).sum()
-        kl_sum = float((kl.detach() * mask).sum())
-    rho = torch.exp(log_ratio.detach())
+        parts["kl"] = (kl.detach() * mask).sum()
+    lr = log_ratio.detach()
+    rho = torch.exp(lr)
     lag0 = mask * b.current if b.current is not None else torch.zeros_like(mask)
     w, raw = out.weights * counted, rho * mask
     has_tokens = t.seq_sum(torch.ones_like(mask)) > 0
-    lag0_tokens, lag0_k3, lag0_abs = lag0_mismatch_sums(log_ratio.detach(), lag0)
     late = lag0 * b.after_update if b.after_update is not None else 0 * mask
-    late_tokens, late_k3, _ = lag0_mismatch_sums(log_ratio.detach(), late)
-    stats = LossStats(
-        sum_rho=float(raw.sum()),
-        sum_rho2=float((raw * rho).sum()),
-        sum_w=float(w.sum()),
-        sum_w2=float((w * out.weights).sum()),
-        tokens=float(mask.sum()),
-        kept=float(counted.sum()),
-        kl=kl_sum,
-        clipped=float((out.clipped * mask).sum()),
-        masked=float((mask * (1 - keep)).sum()),
-        mis_tokens=float((mask * (1 - token_keep)).sum()),
-        mis_seqs=float(((t.seq_sum(1 - seq_keep) > 0) & has_tokens).sum()),
-        sequences=float(has_tokens.sum()),
-        max_log_ratio=float(log_ratio.detach().masked_fill(mask == 0, float("-inf")).max())
-        if mask.any()
-        else float("-inf"),
-        lag0_tokens=lag0_tokens,
-        lag0_k3=lag0_k3,
-        lag0_abs_log_ratio=lag0_abs,
-        lag0_after_update_tokens=late_tokens,
-        lag0_after_update_k3=late_k3,
+    parts.update(
+        sum_rho=raw.sum(),
+        sum_rho2=(raw * rho).sum(),
+        sum_w=w.sum(),
+        sum_w2=(w * out.weights).sum(),
+        tokens=mask.sum(),
+        kept=counted.sum(),
+        clipped=(out.clipped * mask).sum(),
+        masked=(mask * (1 - keep)).sum(),
+        mis_tokens=(mask * (1 - token_keep)).sum(),
+        mis_seqs=((t.seq_sum(1 - seq_keep) > 0) & has_tokens).sum(),
+        sequences=has_tokens.sum(),
     )
+    if mask.numel():  # -inf where no token counts, as the field's default
+        parts["max_log_ratio"] = lr.masked_fill(mask == 0, float("-inf")).max()
+    parts["lag0_tokens"], parts["lag0_k3"], parts["lag0_abs_log_ratio"] = lag0_mismatch_sums(lr, lag0)
+    parts["lag0_after_update_tokens"], parts["lag0_after_update_k3"], _ = lag0_mismatch_sums(lr, late)
     if b.position is not None:
         edges = [*POSITION_BINS[1:], float("inf")]
-        parts = [
-            lag0_mismatch_sums(log_ratio.detach(), lag0 * ((b.position >= lo) & (b.position < hi)).to(lag0.dtype))
+        ranges = [
+            lag0_mismatch_sums(lr, lag0 * ((b.position >= lo) & (b.position < hi)).to(lag0.dtype))
             for lo, hi in zip(POSITION_BINS, edges)
         ]
-        stats.lag0_tokens_pos = tuple(p[0] for p in parts)
-        stats.lag0_k3_pos = tuple(p[1] for p in parts)
+        parts["lag0_tokens_pos"] = torch.stack([r[0] for r in ranges])
+        parts["lag0_k3_pos"] = torch.stack([r[1] for r in ranges])
     if b.turn is not None:
         turns = [
             mask * ((b.turn == i) if i < TURN_BINS else (b.turn >= i)).to(mask.dtype) for i in range(1, TURN_BINS + 1)
         ]
-        stats.turn_tokens = tuple(float(m.sum()) for m in turns)
-        stats.turn_rho = tuple(float((rho * m).sum()) for m in turns)
-        stats.turn_rho2 = tuple(float((rho * rho * m).sum()) for m in turns)
+        parts["turn_tokens"] = torch.stack([m.sum() for m in turns])
+        parts["turn_rho"] = torch.stack([(rho * m).sum() for m in turns])
+        parts["turn_rho2"] = torch.stack([(rho * rho * m).sum() for m in turns])
     if b.tenth is not None:
-        (stats.tenth_tokens, stats.tenth_rho, stats.tenth_rho2, stats.tenth_abs_log_ratio) = tenth_sums(
-            b.tenth, mask, log_ratio.detach()
-        )
-    return loss, stats
+        tenths = tenth_sums(b.tenth, mask, lr)
+        for i, name in enumerate(("tenth_tokens", "tenth_rho", "tenth_rho2", "tenth_abs_log_ratio")):
+            parts[name] = tenths[i]
+    return loss, parts
 
 
-def tenth_sums(tenth: torch.Tensor, mask: torch.Tensor, log_ratio: torch.Tensor) -> list[tuple[float, ...]]:
+def tenth_sums(tenth: torch.Tensor, mask: torch.Tensor, log_ratio: torch.Tensor) -> torch.Tensor:
     """Per tenth 1..TENTHS of the completion (`tenth`, 0: none), over the tokens where `mask` is 1: their count, sum
-    rho, sum rho^2 and sum |log rho|, rho = exp(log_ratio). One index_add and one copy to the host (a sync on GPU)
-    for all four."""
+    rho, sum rho^2 and sum |log rho|, rho = exp(log_ratio): the rows of a [4, TENTHS] tensor, from one
+    index_add."""
     rho = torch.exp(log_ratio)
     rows = torch.stack([torch.ones_like(rho), rho, rho * rho, log_ratio.abs()])
     rows = torch.where(mask > 0, rows, torch.zeros_like(rows))  # a prompt position's log ratio is not a token's
     sums = torch.zeros(4, TENTHS + 1, dtype=rows.dtype, device=rows.device).index_add(1, tenth.long(), rows)
-    return [tuple(row) for row in sums[:, 1:].tolist()]
+    return sums[:, 1:]
 
 
-def lag0_mismatch_sums(log_ratio: torch.Tensor, lag0: torch.Tensor) -> tuple[float, float, float]:
+def lag0_mismatch_sums(log_ratio: torch.Tensor, lag0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Over the tokens where `lag0` is 1: their count, and the sums of the k3 term rho - 1 - log rho (>= 0; its mean
-    estimates KL(engine || trainer) from the engine's samples) and of |log rho|, rho = pi_trainer / pi_engine."""
+    estimates KL(engine || trainer) from the engine's samples) and of |log rho|, rho = pi_trainer / pi_engine
+    (0-d tensors)."""
     k3 = torch.expm1(log_ratio) - log_ratio
-    return float(lag0.sum()), float((k3 * lag0).sum()), float((log_ratio.abs() * lag0).sum())
+    return lag0.sum(), (k3 * lag0).sum(), (log_ratio.abs() * lag0).sum()
+
+
+def stat_sums(parts: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`LossStats` as one flat float64 tensor on `device`, in `records.values` order: each field from `parts` (by
+    name; float32 values widen exactly, as `float()` of them would), else its default. Built on the device: no
+    copy from the host (a blocking copy on GPU)."""
+    pieces = []
+    for f in dataclasses.fields(LossStats):
+        size = f.metadata["size"] or 1
+        if f.name in parts:
+            v = parts[f.name].reshape(-1).to(torch.float64)
+            if v.numel() != size:
+                raise ValueError(f"LossStats.{f.name}: {v.numel()} values, expected {size}")
+        else:
+            default = f.default[0] if f.metadata["size"] else f.default
+            v = torch.full((size,), default, dtype=torch.float64, device=device)
+        pieces.append(v.to(device))
+    return torch.cat(pieces)
+
+
+def empty_sums(device: torch.device) -> torch.Tensor:
+    """The sums of no micro-batch (every field its reduction's identity), on `device`."""
+    return stat_sums({}, device)
+
+
+def add_sums(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Two micro-batches' `stat_sums` combined on the device, each value with its field's reduction (`records`):
+    the same float64 operations, in the same order, as `records.combine` of their `LossStats` on the host."""
+    out = a + b
+    for i in records.positions(LossStats, MAX):
+        out[i] = torch.maximum(a[i], b[i])
+    return out
+
+
+def total_sums(sums: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """`add_sums` over `sums` in order, onto `empty_sums` (as `records.total` onto `LossStats()`)."""
+    out = empty_sums(device)
+    for s in sums:
+        out = add_sums(out, s)
+    return out
+
+
+def stats_from_sums(sums: torch.Tensor) -> LossStats:
+    """`stat_sums` read on the host: one copy (the one the step waits for)."""
+    return records.from_values(LossStats(), sums.tolist())
 
 
 def micro_batch_loss(
     logp: torch.Tensor, entropy: torch.Tensor, batch: LossInput, cfg: LossConfig, kl_coef: float
-) -> tuple[torch.Tensor, LossStats]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`policy_loss` on one packed micro-batch, `logp` and `entropy` the model's [1, T] outputs, with the summed
-    entropy of its counted tokens added to the statistics."""
-    loss, stats = policy_loss(logp[0], batch, cfg, kl_coef)
-    stats.entropy = float((entropy[0] * batch.mask).sum())
-    return loss, stats
+    entropy of its counted tokens added to the statistics, which stay on the device (`stat_sums`: the step adds
+    them up with `add_sums` and reads them once, `stats_from_sums`)."""
+    loss, parts = loss_parts(logp[0], batch, cfg, kl_coef)
+    parts["entropy"] = (entropy[0] * batch.mask).sum()
+    return loss, stat_sums(parts, logp.device)

@@ -12,12 +12,16 @@ import torch.distributed as dist
 
 from pipelinerl_fsdp.config import LossConfig, TrainerConfig
 from pipelinerl_fsdp.models.decoder import Transformer
-from pipelinerl_fsdp.records import total
 from pipelinerl_fsdp.rl.batching import rl_micro_batches
-from pipelinerl_fsdp.rl.loss import LossStats
+from pipelinerl_fsdp.rl.loss import LossStats, stats_from_sums, total_sums
 from pipelinerl_fsdp.samples import Sample
 from pipelinerl_fsdp.training.policy import Policy
-from pipelinerl_fsdp.training.train_step import add_reference_logprobs, forward_backward, reduce_over_ranks, rl_loss_fn
+from pipelinerl_fsdp.training.train_step import (
+    add_reference_logprobs,
+    forward_backward,
+    reduce_values_over_ranks,
+    rl_loss_fn,
+)
 
 
 @dataclass
@@ -48,7 +52,7 @@ class RLStep:
         them too) and the pre-clip gradient norm (non-finite: nothing was applied)."""
         trainer = self.trainer
         loss_fn = rl_loss_fn(self.loss, self.kl_coef, self.n_ranks)
-        waves: list[LossStats] = []
+        waves: list[torch.Tensor] = []  # each part's statistics, summed on the device (`rl.loss.stat_sums`)
         for i, mine in zip(range(n_parts), parts):
             micro = rl_micro_batches(mine, trainer.micro_batch_tokens, self.device, version)
             if self.ref_model is not None:
@@ -71,8 +75,9 @@ class RLStep:
                 trainer.defer_grad_sync,
                 final=i == n_parts - 1,
             )
-            waves.append(total(part_stats, LossStats()))
-        sums = reduce_over_ranks(total(waves, LossStats()), self.group, self.device)
+            waves.append(total_sums(part_stats, self.device))
+        # the step's one read of its statistics: reduced over the ranks on the device, then one copy to the host
+        sums = stats_from_sums(reduce_values_over_ranks(total_sums(waves, self.device), LossStats, self.group))
         if before_update is not None:
             before_update(sums)
         return sums, self.policy.step()

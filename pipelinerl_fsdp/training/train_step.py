@@ -17,7 +17,7 @@ from pipelinerl_fsdp import records
 from pipelinerl_fsdp.config import LossConfig
 from pipelinerl_fsdp.models.decoder import Transformer
 from pipelinerl_fsdp.rl.batching import RLMicroBatch
-from pipelinerl_fsdp.rl.loss import LossStats, micro_batch_loss
+from pipelinerl_fsdp.rl.loss import micro_batch_loss
 from pipelinerl_fsdp.rl.packing import PackedRow
 
 M = TypeVar("M", bound=PackedRow)
@@ -28,15 +28,15 @@ LossFn = Callable[[torch.Tensor, torch.Tensor, M], tuple[torch.Tensor, S]]
 _OPS = {records.SUM: dist.ReduceOp.SUM, records.MAX: dist.ReduceOp.MAX}
 
 
-def rl_loss_fn(cfg: LossConfig, kl_coef: float, n_ranks: int) -> LossFn[RLMicroBatch, LossStats]:
+def rl_loss_fn(cfg: LossConfig, kl_coef: float, n_ranks: int) -> LossFn[RLMicroBatch, torch.Tensor]:
     """The RL step's loss per micro-batch: the policy loss, whose per-sample weights already normalise it over the
     whole step (rl/normalization.py), times `n_ranks`, because FSDP averages the gradients over the ranks while
     each rank's loss is already a share of the global sum (`tests/dist/dp_equivalence.py`: 1 and 2 ranks get the
-    same gradients)."""
+    same gradients). Its statistics stay on the device (`rl.loss.stat_sums`): the step reads them once."""
 
-    def loss_fn(logp: torch.Tensor, ent: torch.Tensor, mb: RLMicroBatch) -> tuple[torch.Tensor, LossStats]:
-        loss, stats = micro_batch_loss(logp, ent, mb.loss_input, cfg, kl_coef)
-        return loss * n_ranks, stats
+    def loss_fn(logp: torch.Tensor, ent: torch.Tensor, mb: RLMicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, sums = micro_batch_loss(logp, ent, mb.loss_input, cfg, kl_coef)
+        return loss * n_ranks, sums
 
     return loss_fn
 
@@ -60,13 +60,31 @@ def sum_over_ranks(values: list[float], group: dist.ProcessGroup | None, device:
 
 
 def reduce_over_ranks(record: R, group: dist.ProcessGroup | None, device: torch.device) -> R:
-    """A record (records.py) combined over the ranks of `group`, each field with its reduction: one all_reduce per
-    reduction the record's fields use (float64)."""
-    for kind in records.reductions(type(record)):
-        t = torch.tensor(records.values(record, kind), dtype=torch.float64, device=device)
+    """A record (records.py) combined over the ranks of `group`, each field with its reduction (float64)."""
+    flat = torch.tensor(records.values(record), dtype=torch.float64, device=device)
+    return records.from_values(record, reduce_values_over_ranks(flat, type(record), group).tolist())
+
+
+def reduce_values_over_ranks(flat: torch.Tensor, record_type: type, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """A record's `records.values` as a float64 tensor on the device, combined over the ranks of `group` there: one
+    all_reduce per reduction the record's fields use, each over the whole vector with the other reductions' values
+    at that reduction's identity (0 for a sum, -inf for a maximum), so that nothing waits for the host."""
+    kinds = records.reductions(record_type)
+    if len(kinds) == 1:
+        flat = flat.clone()
+        dist.all_reduce(flat, op=_OPS[kinds[0]], group=group)
+        return flat
+    is_max = torch.zeros_like(flat, dtype=torch.bool)
+    for i in records.positions(record_type, records.MAX):  # few: set one by one, on the device
+        is_max[i] = True
+    out = flat.clone()
+    for kind in kinds:
+        mine = is_max if kind == records.MAX else ~is_max
+        identity = 0.0 if kind == records.SUM else float("-inf")
+        t = torch.where(mine, flat, torch.full_like(flat, identity))
         dist.all_reduce(t, op=_OPS[kind], group=group)
-        record = records.from_values(record, t.tolist(), kind)
-    return record
+        out = torch.where(mine, t, out)
+    return out
 
 
 def forward_backward(

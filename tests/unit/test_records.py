@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipelinerl_fsdp.records import MAX, SUM, combine, from_values, reduction, stat, total, values
+from pipelinerl_fsdp.records import MAX, SUM, combine, from_values, positions, reduction, stat, total, values
 from pipelinerl_fsdp.rl.loss import POSITION_BINS, TURN_BINS, LossStats
 from pipelinerl_fsdp.rl.positions import TENTHS
 from pipelinerl_fsdp.samples import EngineStats
@@ -42,6 +42,7 @@ def test_values_spread_tuples_in_field_order_and_come_back():
     assert from_values(c, [7.0], MAX) == Counts(1.0, 7.0, (4.0, 5.0))  # the other fields kept
     with pytest.raises(ValueError, match="3 values for the 4"):
         from_values(Counts(), [1.0, 2.0, 3.0])
+    assert positions(Counts, SUM) == [0, 2, 3] and positions(Counts, MAX) == [1]
 
 
 def test_the_job_records_declare_a_reduction_for_every_field():
@@ -69,7 +70,10 @@ def test_reduce_over_ranks_is_one_all_reduce_per_reduction_and_combines_like_the
     def all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> None:
         kind = SUM if op == dist.ReduceOp.SUM else MAX
         ops.append(kind)
-        theirs = torch.tensor(values(other, kind), dtype=t.dtype)
+        # the other rank sends the same vector: its values of this reduction, the identity elsewhere
+        full = torch.tensor(values(other), dtype=t.dtype)
+        theirs = torch.full_like(full, 0.0 if kind == SUM else -math.inf)
+        theirs[positions(LossStats, kind)] = full[positions(LossStats, kind)]
         t.copy_(t + theirs if kind == SUM else torch.maximum(t, theirs))
 
     with mock.patch.object(train_step.dist, "all_reduce", all_reduce):

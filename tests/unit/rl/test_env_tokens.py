@@ -9,7 +9,7 @@ import torch
 
 from pipelinerl_fsdp.config import LossConfig
 from pipelinerl_fsdp.rl.batching import after_update_marks, rl_micro_batches
-from pipelinerl_fsdp.rl.loss import micro_batch_loss
+from pipelinerl_fsdp.rl.loss import LossStats, micro_batch_loss, stats_from_sums
 from pipelinerl_fsdp.rl.normalization import assign_loss_weights
 from pipelinerl_fsdp.rl.objectives import CONFIGS
 from pipelinerl_fsdp.rl.step_metrics import StepTimes, step_metrics, token_lags
@@ -21,6 +21,12 @@ E = ENV_VERSION
 # prompt 3 tokens; model turn (versions 4, 4), environment answer (2 tokens), model turn after an update (5, 5, 5)
 VERSIONS = [4, 4, E, E, 5, 5, 5]
 ENV = [i for i, v in enumerate(VERSIONS) if v == E]
+
+
+def host_loss(*args: object) -> tuple[torch.Tensor, LossStats]:
+    """`micro_batch_loss` with its statistics read on the host."""
+    loss, sums = micro_batch_loss(*args)  # type: ignore[arg-type]
+    return loss, stats_from_sums(sums)
 
 
 def sample(logprobs: list[float], reward: float = 1.0, advantage: float = 0.5) -> Sample:
@@ -36,7 +42,7 @@ def loss_and_grad(s: Sample, logp_values: list[float], loss_name: str) -> tuple[
     logp = torch.zeros(1, mb.loss_input.mask.shape[0])
     logp[0, n_prompt_targets : n_prompt_targets + len(logp_values)] = torch.tensor(logp_values)
     logp.requires_grad_(True)
-    loss, stats = micro_batch_loss(logp, torch.zeros_like(logp), mb.loss_input, objective_cfg, 0.0)
+    loss, stats = host_loss(logp, torch.zeros_like(logp), mb.loss_input, objective_cfg, 0.0)
     loss.backward()
     assert stats.tokens == 5 and stats.lag0_tokens == 3 and stats.lag0_after_update_tokens == 3
     return loss.item(), logp.grad[0, n_prompt_targets : n_prompt_targets + len(logp_values)]
@@ -94,7 +100,7 @@ def test_ess_per_turn_index_counts_each_model_turns_tokens_only():
     log_ratio = torch.tensor([0.1, -0.3, 9.0, 9.0, 0.2, 0.0, -0.5])  # huge values on the environment's tokens
     logp = torch.zeros(1, mb.loss_input.mask.shape[0])
     logp[0, 2:] = log_ratio
-    _, stats = micro_batch_loss(logp, torch.zeros_like(logp), mb.loss_input, CONFIGS["reinforce_tis"](), 0.0)
+    _, stats = host_loss(logp, torch.zeros_like(logp), mb.loss_input, CONFIGS["reinforce_tis"](), 0.0)
 
     def ess(x: torch.Tensor) -> float:
         w = torch.exp(x)
@@ -120,7 +126,7 @@ def test_environment_tokens_have_no_tenth_no_lag_and_count_in_no_position_metric
     log_ratio = [0.1, -0.3, 9.0, 9.0, 0.2, 0.0, -0.5]
     logp = torch.zeros(1, mb.loss_input.mask.shape[0])
     logp[0, 2:] = torch.tensor(log_ratio)
-    _, stats = micro_batch_loss(logp, torch.zeros_like(logp), mb.loss_input, CONFIGS["reinforce_tis"](), 0.0)
+    _, stats = host_loss(logp, torch.zeros_like(logp), mb.loss_input, CONFIGS["reinforce_tis"](), 0.0)
     assert stats.tenth_tokens == (1, 0, 1, 0, 1, 0, 1, 0, 1, 0)
     m = step_metrics([s], 6, stats, EngineStats(), EngineStats(), StepTimes(0.0, 0.0, 1.0, 0.0), multi_turn=True)
     for i, lr, lag in ((1, 0.1, 2), (3, 0.3, 2), (5, 0.2, 1), (7, 0.0, 1), (9, 0.5, 1)):
@@ -128,5 +134,5 @@ def test_environment_tokens_have_no_tenth_no_lag_and_count_in_no_position_metric
         assert m[f"lag_pos/{i}"] == lag
     assert all(m[f"lag_pos/{i}"] != m[f"lag_pos/{i}"] for i in (2, 4, 6, 8, 10))  # NaN: no token there
     assert m["lag_frac/1"] == pytest.approx(3 / 5) and m["lag_frac/2"] == pytest.approx(2 / 5)
-    stale = micro_batch_loss(logp, torch.zeros_like(logp), mb.loss_input, CONFIGS["reinforce_tis"](max_token_lag=1), 0)
+    stale = host_loss(logp, torch.zeros_like(logp), mb.loss_input, CONFIGS["reinforce_tis"](max_token_lag=1), 0)
     assert stale[1].masked == 2 and stale[1].kept == 3  # the first turn's two tokens, lag 2; not the environment's

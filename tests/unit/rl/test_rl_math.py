@@ -130,7 +130,7 @@ def test_kl_log_ratio_is_clamped():
 
 
 def test_the_micro_batch_loss_reads_the_packed_fields_and_sums_entropy_over_counted_tokens():
-    from pipelinerl_fsdp.rl.loss import micro_batch_loss
+    from pipelinerl_fsdp.rl.loss import micro_batch_loss, stats_from_sums
 
     logp = torch.tensor([[-1.0, -0.5, -2.0, -0.1]], requires_grad=True)
     mb = LossInput(
@@ -141,12 +141,13 @@ def test_the_micro_batch_loss_reads_the_packed_fields_and_sums_entropy_over_coun
         seq=torch.tensor([0, 1, 1, 2]),
     )
     ent = torch.tensor([[9.0, 0.5, 0.25, 9.0]])
-    loss, stats = micro_batch_loss(logp, ent, mb, ReinforceTISConfig(), 0.0)
+    loss, sums = micro_batch_loss(logp, ent, mb, ReinforceTISConfig(), 0.0)
+    stats = stats_from_sums(sums)
     assert stats.entropy == 0.75 and stats.tokens == 2.0
     assert loss.item() == pytest.approx(-(-0.5 - 2.0) / 2)  # on-policy: weights 1, A = 1, over B = 2
     mb.ref_logp = logp.detach()[0] - 1.0
-    kl_loss, kl_stats = micro_batch_loss(logp, ent, mb, ReinforceTISConfig(), 0.5)
-    assert kl_stats.kl > 0 and kl_loss.item() > loss.item()  # the reference model's log-probs are used
+    kl_loss, kl_sums = micro_batch_loss(logp, ent, mb, ReinforceTISConfig(), 0.5)
+    assert stats_from_sums(kl_sums).kl > 0 and kl_loss.item() > loss.item()  # the reference model's log-probs are used
 
 
 def test_ess_of_raw_and_of_truncated_weights_part_ways_on_stale_data():

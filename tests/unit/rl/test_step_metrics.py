@@ -261,8 +261,11 @@ def test_tenth_sums_count_only_the_masked_in_tokens_by_hand():
     from pipelinerl_fsdp.rl.loss import tenth_sums
 
     # tenth 1: log ratios 0.1 and (masked out) 5; tenth 2: -0.2; a position of tenth 0 (a prompt target) is nowhere
-    tokens, rho, rho2, absolute = tenth_sums(
-        torch.tensor([1.0, 1.0, 2.0, 0.0]), torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0.1, 5.0, -0.2, 3.0])
+    tokens, rho, rho2, absolute = (
+        tuple(row)
+        for row in tenth_sums(
+            torch.tensor([1.0, 1.0, 2.0, 0.0]), torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([0.1, 5.0, -0.2, 3.0])
+        ).tolist()
     )
     assert tokens == (1, 1) + (0,) * 8
     assert rho[:3] == pytest.approx((math.exp(0.1), math.exp(-0.2), 0.0))
