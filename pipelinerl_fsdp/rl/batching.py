@@ -3,7 +3,7 @@ micro-batches (`RLMicroBatch`) whose loss fields line up with the next-token tar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,34 @@ def after_update_marks(versions: list[int]) -> list[float]:
     as a recompute at every turn boundary (inference/turns.py). Environment tokens are never marked."""
     first = next((v for v in versions if v != ENV_VERSION), 0)
     return [float(v != ENV_VERSION and v > first) for v in versions]
+
+
+def pinned_copies(device: torch.device) -> bool:
+    """Whether micro-batches for `device` are built on the host in pinned (page-locked) memory and copied with
+    `non_blocking=True`: on CUDA, so that the copy neither waits for the GPU's queue nor blocks the host while
+    the GPU still runs the previous micro-batch. On CPU nothing moves."""
+    return device.type == "cuda"
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: pinned and copied asynchronously where `pinned_copies` says, else `t.to(device)`
+    (the same tensor when it is already there). The pinned buffer comes from torch's caching host allocator, which
+    keeps it until the copy has run."""
+    if pinned_copies(device):
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def row_to_device(row: PackedRow, device: torch.device) -> PackedRow:
+    """A row packed on the host, its tensors (the documents' offsets included) on `device` by `to_device`."""
+    docs = row.documents
+    if docs is not None and docs.cu_seqlens is not None:
+        docs = replace(docs, cu_seqlens=to_device(docs.cu_seqlens, device))
+    return PackedRow(
+        *(to_device(t, device) for t in (row.input_ids, row.position_ids, row.targets, row.seq_index)),
+        documents=docs,
+        logprob_index=None if row.logprob_index is None else to_device(row.logprob_index, device),
+    )
 
 
 @dataclass
@@ -88,10 +116,12 @@ def rl_micro_batches(
             lags = [float(version - v) if v != ENV_VERSION else 0.0 for v in s.versions]
             per_token["lag"].append([0.0] * n_prompt_targets + lags)
     out = []
+    host = torch.device("cpu")
     for b in pack_into_bins([len(s) for s in seqs], budget):
         row_seqs = [seqs[i] for i in b]
-        row = pack_row(row_seqs, device)
-        row.logprob_index = nonzero_index([m for i in b for m in per_token["mask"][i]], device)  # the loss's tokens
-        fields = {k: per_target(row_seqs, [v[i] for i in b], k, device) for k, v in per_token.items()}
+        row = row_to_device(pack_row(row_seqs, host), device)
+        # the loss's tokens, as indices built on the host
+        row.logprob_index = to_device(nonzero_index([m for i in b for m in per_token["mask"][i]], host), device)
+        fields = {k: to_device(per_target(row_seqs, [v[i] for i in b], k, host), device) for k, v in per_token.items()}
         out.append(RLMicroBatch(**vars(row), loss_input=LossInput(**fields, seq=row.seq_index[0], n_seq=len(b))))
     return out

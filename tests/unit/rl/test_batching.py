@@ -103,3 +103,15 @@ def test_micro_batches_carry_the_loss_tokens_as_indices_built_on_the_host():
         assert mb.logprob_index.tolist() == mb.loss_input.mask.nonzero().squeeze(1).tolist()
         seen_env |= bool(((mb.loss_input.mask == 0) & (mb.loss_input.position >= 0)).any())
     assert seen_env
+
+
+def test_micro_batches_are_pinned_and_copied_asynchronously_on_cuda_only():
+    from pipelinerl_fsdp.rl.batching import pinned_copies, to_device
+
+    assert pinned_copies(torch.device("cuda", 0)) and pinned_copies(torch.device("cuda"))
+    assert not pinned_copies(torch.device("cpu")) and not pinned_copies(torch.device("meta"))
+    t = torch.arange(5)
+    assert to_device(t, torch.device("cpu")) is t and not t.is_pinned()  # on CPU nothing is copied or pinned
+    (mb,) = rl_micro_batches([sample(3, 2), sample(2, 3)], budget=64, device=torch.device("cpu"), version=0)
+    assert mb.input_ids.device.type == "cpu" and mb.loss_input.mask.device.type == "cpu"
+    assert mb.loss_input.seq.data_ptr() == mb.seq_index.data_ptr()  # the loss's sequence index is the row's
