@@ -55,6 +55,7 @@ BASE_ARGS = [
     "--trainer.param_dtype=float32",
     "--trainer.reduce_dtype=float32",
     "--trainer.fp32_head=off",
+    "--trainer.defer_grad_sync=false",
     "--inference.dtype=float32",
 ]
 

@@ -33,7 +33,7 @@ memory, when an engine cannot hold one full-length sequence, or when a node has 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pipelinerl_fsdp.config import (
@@ -52,6 +52,11 @@ from pipelinerl_fsdp.models.hf_io import read_model_args
 from pipelinerl_fsdp.transport.weights import layer_buckets, slot_sizes
 
 GIB = 1 << 30
+# `trainer.micro_batch_tokens = "auto"`: on CPU today's budget; on GPU the largest of these the plan fits
+CPU_MICRO_BATCH_TOKENS = 4096
+GPU_MICRO_BATCH_TOKENS = (32768, 16384, 8192, 4096)
+# ...within this share of `plan.gpu_memory_gib` (the estimate leaves out the allocator's fragmentation)
+AUTO_MEMORY_SHARE = 0.9
 CUDA_CONTEXT_GIB = 1.5
 VLLM_ACTIVATIONS_GIB = 2.0
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -186,7 +191,10 @@ def trainer_memory(
     kl_reference: bool = False,
 ) -> dict[str, float]:
     """Bytes per trainer GPU by item (see the module docstring). `engine_dtype`: `inference.dtype`, `bucket_mb`:
-    `world.weight_bucket_mb`, `kl_reference`: `rl.kl_coef > 0` (a frozen copy of the policy is kept)."""
+    `world.weight_bucket_mb`, `kl_reference`: `rl.kl_coef > 0` (a frozen copy of the policy is kept). The trainer's
+    "auto" keys must be decided first (`resolve_trainer_defaults`)."""
+    if tr.micro_batch_tokens == "auto" or tr.defer_grad_sync == "auto":
+        raise ValueError("trainer_memory: decide trainer.micro_batch_tokens / defer_grad_sync first")
     p = args.num_params()
     h, v, layers = args.hidden_size, args.vocab_size, args.num_hidden_layers
     root = v * h * (1 if args.tie_word_embeddings else 2) + h
@@ -221,6 +229,44 @@ def trainer_memory(
         "CUDA context, allocator": CUDA_CONTEXT_GIB * GIB,
     }
     return out
+
+
+def auto_trainer_settings(
+    tr: TrainerConfig, args: ModelArgs, n_trainers: int, gpu_bytes: float, **sync: object
+) -> tuple[int, bool]:
+    """(micro_batch_tokens, defer_grad_sync) for a GPU trainer, each "auto" one chosen with the plan: the largest
+    budget of GPU_MICRO_BATCH_TOKENS, deferring the gradient sync where that budget still fits with the unsharded
+    gradients, whose planned trainer memory (`trainer_memory`, with the trainer's activation checkpointing; `sync`:
+    its keyword arguments) stays within AUTO_MEMORY_SHARE of `gpu_bytes`; the smallest, not deferred, when none
+    fits (the plan stage then names the problem). A key already set keeps its value."""
+    tokens = GPU_MICRO_BATCH_TOKENS if tr.micro_batch_tokens == "auto" else (tr.micro_batch_tokens,)
+    defers = (True, False) if tr.defer_grad_sync == "auto" else (tr.defer_grad_sync,)
+    checkpointing = tr.activation_checkpointing == "full"
+    for t in tokens:
+        for defer in defers:
+            trial = replace(tr, micro_batch_tokens=t, defer_grad_sync=defer)
+            if _total(trainer_memory(trial, args, n_trainers, checkpointing, **sync)) <= AUTO_MEMORY_SHARE * gpu_bytes:
+                return int(t), bool(defer)
+    return int(tokens[-1]), bool(defers[-1])
+
+
+def resolve_trainer_defaults(
+    tr: TrainerConfig, model: ModelConfig, n_trainers: int, on_gpu: bool, gpu_bytes: float, **sync: object
+) -> None:
+    """Decide `trainer.micro_batch_tokens` and `trainer.defer_grad_sync` where they are "auto", by the trainers'
+    device: on CPU CPU_MICRO_BATCH_TOKENS, not deferred (the values before these keys had "auto"); on GPU
+    `auto_trainer_settings` for `gpu_bytes` (`plan.gpu_memory_gib`; `sync`: `trainer_memory`'s keyword arguments).
+    Called before anything reads them and before the run's config.toml is written, so that it holds the values
+    used; every rank decides the same from the same inputs."""
+    if tr.micro_batch_tokens != "auto" and tr.defer_grad_sync != "auto":
+        return
+    tokens, defer = CPU_MICRO_BATCH_TOKENS, False
+    if on_gpu:
+        tokens, defer = auto_trainer_settings(tr, plan_model_args(model)[0], n_trainers, gpu_bytes, **sync)
+    if tr.micro_batch_tokens == "auto":
+        tr.micro_batch_tokens = tokens
+    if tr.defer_grad_sync == "auto":
+        tr.defer_grad_sync = defer
 
 
 def engine_memory(
@@ -284,6 +330,8 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
     gpu = pl.gpu_memory_gib * GIB
     nodes = layout(pl, cfg.world.inference_ranks, inf.tensor_parallel_size)
     n_trainers = sum(n.trainers for n in nodes)
+    sync = {"engine_dtype": inf.dtype, "bucket_mb": cfg.world.weight_bucket_mb, "kl_reference": cfg.rl.kl_coef > 0}
+    resolve_trainer_defaults(cfg.trainer, cfg.model, n_trainers, True, gpu, **sync)  # a plan is for GPUs
     problems = []
     lines = [
         f"plan: {pl.nodes} node(s) x {pl.gpus_per_node} GPUs of {pl.gpu_memory_gib:g} GiB; model from {source}: "
@@ -317,7 +365,6 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
             problems.append(f"node(s) {name} need {n.gpus_needed} GPUs and have {pl.gpus_per_node}{why}")
     lines.append("")
     ac = cfg.trainer.activation_checkpointing == "full"
-    sync = {"engine_dtype": inf.dtype, "bucket_mb": cfg.world.weight_bucket_mb, "kl_reference": cfg.rl.kl_coef > 0}
     plain = trainer_memory(cfg.trainer, args, n_trainers, False, **sync)
     ckpt = trainer_memory(cfg.trainer, args, n_trainers, True, **sync)
     chosen = ckpt if ac else plain

@@ -76,14 +76,27 @@ def run(cfg: Config) -> None:
     # every rank, before the world forms: a bad data file fails them all at once (the warm start reads it on the
     # trainer ranks only, while the others wait for it)
     task_class(cfg.task.name).check_files(cfg.task)
-    if cfg.job.stage == "rl" and cfg.rl.mode == "colocated":  # one process, no torchrun world
-        from pipelinerl_fsdp.training.colocated import run_colocated
 
+    def decide_trainer_keys(n_trainers: int, on_gpu: bool) -> None:
+        """The trainer's "auto" keys decided by its device (plan.resolve_trainer_defaults), before any use."""
+        from pipelinerl_fsdp.plan import GIB, resolve_trainer_defaults
+
+        sync = {"engine_dtype": cfg.inference.dtype, "bucket_mb": cfg.world.weight_bucket_mb}
+        gpu = cfg.plan.gpu_memory_gib * GIB
+        resolve_trainer_defaults(
+            cfg.trainer, cfg.model, n_trainers, on_gpu, gpu, kl_reference=cfg.rl.kl_coef > 0, **sync
+        )
+
+    if cfg.job.stage == "rl" and cfg.rl.mode == "colocated":  # one process, no torchrun world
+        from pipelinerl_fsdp.training.colocated import colocated_device, run_colocated
+
+        decide_trainer_keys(1, on_gpu=colocated_device(cfg.job).type == "cuda")
         run_colocated(cfg)
         return
     world = init_world(cfg)
     validate_world(cfg, world.world_size)
-    if world.is_main:
+    decide_trainer_keys(len(world.trainer_ranks), on_gpu=world.backend == "nccl")
+    if world.is_main:  # the resolved config, "auto" keys decided
         save_resolved(cfg, cfg.job.output_dir)
     if cfg.job.stage == "warmstart":
         from pipelinerl_fsdp.training.warmstart import run_warmstart

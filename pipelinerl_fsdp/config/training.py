@@ -87,8 +87,10 @@ class OptimizerConfig:
 class TrainerConfig:
     # the RL stage's optimizer ([trainer.optimizer] in TOML, --trainer.optimizer.lr=... on the command line)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    # token budget of one packed micro-batch on one rank
-    micro_batch_tokens: int = 4096
+    # token budget of one packed micro-batch on one rank; "auto": 4096 on CPU, on GPU the largest of 32768, 16384,
+    # 8192, 4096 whose trainer memory the plan (plan.py) keeps within 90% of plan.gpu_memory_gib; the resolved
+    # value is saved in the run's config.toml
+    micro_batch_tokens: int | Literal["auto"] = "auto"
     # FSDP2 mixed precision; "auto": float32 on CPU, bfloat16 on CUDA
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
@@ -102,19 +104,33 @@ class TrainerConfig:
     ac_every: int = 1
     # gradients are reduce-scattered after every micro-batch, so each rank only ever holds its shard of them.
     # true: one reduce-scatter per optimizer step, but FSDP2 then keeps whole (unsharded) fp32 gradients until the
-    # last micro-batch (4 bytes per parameter per GPU: 30 GB at 7B); only worth it for small models on slow links
-    defer_grad_sync: bool = False
+    # last micro-batch (4 bytes per parameter per GPU: 30 GB at 7B). "auto": false on CPU; on GPU true when the
+    # plan fits it beside the micro-batch "auto" chose (or the one set), else false; saved resolved in config.toml
+    defer_grad_sync: bool | Literal["auto"] = "auto"
     # the output head's precision under bf16 mixed precision (the importance ratios need fp32 log-probs):
     # "auto": the root (embeddings, final norm, head) in bf16, the head's GEMMs on bf16 operands with fp32
     # accumulation and fp32 logits (tensor cores; logits never rounded to bf16); "on": the root kept and computed
     # in fp32 (fp32 GEMMs, ~15x slower on an H100); "off": as "auto" with the logits rounded to bf16 (a control).
     # With fp32 parameters (CPU) all three are the same fp32 head
     fp32_head: Literal["auto", "on", "off"] = "auto"
+    # torch.compile each decoder block's parts around attention (norms, residuals, MLP; training/parallelize.py):
+    # "auto": on CUDA, off on CPU (not measured faster there)
+    compile: Literal["auto", "on", "off"] = "auto"
+
+    def decided(self) -> tuple[int, bool]:
+        """(micro_batch_tokens, defer_grad_sync) once the job has decided its "auto" ones for its device
+        (`plan.resolve_trainer_defaults`); an error while either is still "auto"."""
+        if self.micro_batch_tokens == "auto" or self.defer_grad_sync == "auto":
+            raise ValueError(
+                "trainer.micro_batch_tokens / trainer.defer_grad_sync are still 'auto': the job decides them by "
+                "its device at start-up (plan.resolve_trainer_defaults); set them to use the trainer without it"
+            )
+        return self.micro_batch_tokens, self.defer_grad_sync
 
     def check(self) -> list[tuple[str, str]]:
         return failed(
             [
-                ("micro_batch_tokens", self.micro_batch_tokens >= 16, ">= 16"),
+                ("micro_batch_tokens", self.micro_batch_tokens == "auto" or self.micro_batch_tokens >= 16, ">= 16"),
                 ("logprob_chunk_size", self.logprob_chunk_size >= 1, ">= 1"),
                 ("max_nonfinite_steps", self.max_nonfinite_steps >= 1, ">= 1"),
                 ("ac_every", self.ac_every >= 1, ">= 1"),

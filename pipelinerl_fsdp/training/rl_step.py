@@ -51,10 +51,11 @@ class RLStep:
         the step's loss statistics reduced over the ranks of `group` (once, before `before_update`, which reads
         them too) and the pre-clip gradient norm (non-finite: nothing was applied)."""
         trainer = self.trainer
+        budget, defer = trainer.decided()
         loss_fn = rl_loss_fn(self.loss, self.kl_coef, self.n_ranks)
         waves: list[torch.Tensor] = []  # each part's statistics, summed on the device (`rl.loss.stat_sums`)
         for i, mine in zip(range(n_parts), parts):
-            micro = rl_micro_batches(mine, trainer.micro_batch_tokens, self.device, version)
+            micro = rl_micro_batches(mine, budget, self.device, version)
             if self.ref_model is not None:
                 add_reference_logprobs(
                     self.ref_model,
@@ -72,7 +73,7 @@ class RLStep:
                 self.group,
                 self.device,
                 trainer.logprob_chunk_size,
-                trainer.defer_grad_sync,
+                defer,
                 final=i == n_parts - 1,
             )
             waves.append(total_sums(part_stats, self.device))

@@ -201,10 +201,9 @@ class WarmStart:
                 # FSDP averages gradients over ranks: scale so the step minimises the mean over all ranks' tokens.
                 return nll * n_ranks / n_loss_tokens, float(nll.detach())
 
-            micro = supervised_micro_batches(seqs, masks, trainer.micro_batch_tokens, device)
-            nlls = forward_backward(
-                model, micro, loss_fn, 1.0, group, device, trainer.logprob_chunk_size, trainer.defer_grad_sync
-            )
+            budget, defer = trainer.decided()
+            micro = supervised_micro_batches(seqs, masks, budget, device)
+            nlls = forward_backward(model, micro, loss_fn, 1.0, group, device, trainer.logprob_chunk_size, defer)
             lr = self.policy.lr
             grad_norm = self.policy.step()
             total_tokens += sum(len(s) - 1 for s in seqs)

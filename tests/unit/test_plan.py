@@ -53,7 +53,7 @@ def test_async_mode_counts_its_staged_update_and_refuses_what_does_not_fit():
 
 
 def test_memory_items_follow_their_settings():
-    cfg = load_config(MATH_7B)
+    cfg = load_config([*MATH_7B, "--trainer.defer_grad_sync=false"])
     args = flavour_args("qwen2.5-7b")
     base = trainer_memory(cfg.trainer, args, 80, checkpointing=True)
     cfg.trainer.defer_grad_sync = True
@@ -90,3 +90,53 @@ def test_activation_count_matches_what_autograd_keeps(shape):
     measured = _kept_bytes_per_token(args, 512)
     planned = block_activation_elements(args) * 4  # fp32 on CPU
     assert planned == pytest.approx(measured, rel=0.15), (planned, measured)
+
+
+def test_the_trainer_budget_and_gradient_sync_are_decided_by_the_device_and_saved(tmp_path):
+    """`trainer.micro_batch_tokens` / `defer_grad_sync` "auto": today's values on CPU; on GPU the largest budget
+    the plan fits in 90% of plan.gpu_memory_gib, deferred when that still fits; a value set is kept; the
+    resolved values are what config.toml holds."""
+    from dataclasses import replace
+
+    from pipelinerl_fsdp.config import ModelConfig, TrainerConfig, to_toml
+    from pipelinerl_fsdp.plan import AUTO_MEMORY_SHARE, GPU_MICRO_BATCH_TOKENS, resolve_trainer_defaults
+
+    gpu = 80 * GIB
+    small, big = ModelConfig(flavour="qwen2.5-0.5b"), ModelConfig(flavour="qwen2.5-7b")
+    with pytest.raises(ValueError, match="still 'auto'"):
+        TrainerConfig().decided()
+    cpu = TrainerConfig()
+    resolve_trainer_defaults(cpu, big, 1, False, gpu)
+    assert cpu.decided() == (4096, False)  # CPU: as before "auto" existed, whatever the model
+    tr = TrainerConfig()
+    resolve_trainer_defaults(tr, small, 1, True, gpu)
+    assert tr.decided() == (32768, True)  # 0.5B on one 80 GB GPU: the largest budget, one sync per step
+    for n_trainers, ac in ((1, "off"), (1, "full"), (8, "off")):
+        tr = TrainerConfig(activation_checkpointing=ac)
+        resolve_trainer_defaults(tr, big, n_trainers, True, gpu)
+        tokens, defer = tr.decided()
+
+        def fits(t: int, d: bool, n: int = n_trainers, ckpt: bool = ac == "full", tr: TrainerConfig = tr) -> bool:
+            items = trainer_memory(
+                replace(tr, micro_batch_tokens=t, defer_grad_sync=d), flavour_args("qwen2.5-7b"), n, ckpt
+            )
+            return sum(items.values()) <= AUTO_MEMORY_SHARE * gpu
+
+        assert fits(tokens, defer) or tokens == GPU_MICRO_BATCH_TOKENS[-1]
+        larger = [t for t in GPU_MICRO_BATCH_TOKENS if t > tokens]
+        assert not any(fits(t, False) for t in larger) and (defer or not fits(tokens, True))
+    plain, with_ckpt = TrainerConfig(), TrainerConfig(activation_checkpointing="full")
+    resolve_trainer_defaults(plain, big, 8, True, gpu)
+    resolve_trainer_defaults(with_ckpt, big, 8, True, gpu)
+    # 7B over 8 GPUs: checkpointing buys a larger budget
+    assert plain.micro_batch_tokens < with_ckpt.micro_batch_tokens, (plain, with_ckpt)
+    kept = TrainerConfig(micro_batch_tokens=1000, defer_grad_sync=False)
+    resolve_trainer_defaults(kept, small, 1, True, gpu)
+    assert kept.decided() == (1000, False)
+    cfg = load_config(["--model.flavour=qwen2.5-0.5b"])
+    assert 'micro_batch_tokens = "auto"' in to_toml(cfg)
+    resolve_trainer_defaults(cfg.trainer, cfg.model, 1, True, gpu)
+    text = to_toml(cfg)
+    assert "micro_batch_tokens = 32768" in text and "defer_grad_sync = true" in text
+    (tmp_path / "config.toml").write_text(text)
+    assert load_config(["--config", str(tmp_path / "config.toml")]).trainer.decided() == (32768, True)
