@@ -191,7 +191,17 @@ class DecoderLayer(nn.Module):
         mask: torch.Tensor | Documents | None,
         cache: AttentionCache | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        # the parts around attention are methods of their own: `parallelize.apply_compile` compiles them, not
+        # attention, whose per-document loop a compiled graph would specialise on (a recompile per packing)
+        return self.post_attention(x, self.self_attn(self.pre_attention(x), cos, sin, mask, cache))
+
+    def pre_attention(self, x: torch.Tensor) -> torch.Tensor:
+        """What runs on the block's input before attention: its norm."""
+        return self.input_layernorm(x)
+
+    def post_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """What runs after attention: the residual, the norm, the MLP and its residual."""
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -54,8 +54,10 @@ from pipelinerl_fsdp.tokenizer import completion_text, encode_prompt, load_token
 from pipelinerl_fsdp.training.metrics import MetricsLogger, rl_console
 from pipelinerl_fsdp.training.parallelize import (
     DTYPES,
+    apply_compile,
     apply_fsdp,
     full_state_dict,
+    resolve_compile,
     resolve_fp32_head,
     resolve_param_dtype,
 )
@@ -221,6 +223,8 @@ def run_colocated(cfg: Config) -> None:
     model = load_hf_model(model_path, device, torch.float32)
     trainer = cfg.trainer
     param_dtype = resolve_param_dtype(trainer.param_dtype, device)
+    if resolve_compile(trainer.compile, device):
+        apply_compile(model)
     apply_fsdp(
         model,
         init_device_mesh(device.type, (1,)),

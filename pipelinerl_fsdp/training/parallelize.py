@@ -41,6 +41,27 @@ def resolve_fp32_head(setting: str, param_dtype: torch.dtype) -> HeadPrecision:
     return HeadPrecision(param_dtype, round_logits=setting == "off")
 
 
+def resolve_compile(setting: str, device: torch.device) -> bool:
+    """`trainer.compile`: "auto" compiles on CUDA, where the eager block is a string of small kernels the host must
+    launch one by one; not on CPU, where it has not been measured faster (benchmarks/rl_step_speed.py --compile
+    measures it)."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"trainer.compile = {setting!r}: one of 'auto', 'on', 'off'")
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def apply_compile(model: Transformer) -> int:
+    """`torch.compile` each decoder block's parts around attention (`DecoderLayer.pre_attention`, `post_attention`:
+    the norms, the residuals, the MLP), `fullgraph=True`, before FSDP wraps the blocks, as TorchTitan compiles per
+    block: every block runs the same code, so one compiled graph serves them all. Attention stays eager: its
+    per-document loop depends on how the micro-batch is packed, which a graph would specialise on. Parameter
+    names do not change (the compiled functions are attributes, not modules). Returns the blocks compiled."""
+    for layer in model.model.layers:
+        layer.pre_attention = torch.compile(layer.pre_attention, fullgraph=True)
+        layer.post_attention = torch.compile(layer.post_attention, fullgraph=True)
+    return len(model.model.layers)
+
+
 def apply_fsdp(
     model: Transformer,
     mesh: DeviceMesh,

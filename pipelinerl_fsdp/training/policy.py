@@ -16,7 +16,9 @@ from pipelinerl_fsdp.training.optim import build_optimizer
 from pipelinerl_fsdp.training.parallelize import (
     DTYPES,
     apply_activation_checkpointing,
+    apply_compile,
     apply_fsdp,
+    resolve_compile,
     resolve_fp32_head,
     resolve_param_dtype,
 )
@@ -43,6 +45,8 @@ def _parallelize(model: Transformer, world: World, trainer: TrainerConfig) -> Tr
     assert world.trainer_mesh is not None, "only trainer ranks shard the policy"
     param_dtype = resolve_param_dtype(trainer.param_dtype, world.device)
     apply_activation_checkpointing(model, trainer.activation_checkpointing, trainer.ac_every)
+    if resolve_compile(trainer.compile, world.device):
+        apply_compile(model)
     return apply_fsdp(
         model,
         world.trainer_mesh,
