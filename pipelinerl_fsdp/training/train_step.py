@@ -46,9 +46,11 @@ def _dummy_micro_batch(device: torch.device) -> PackedRow:
     return PackedRow(one, one, one, one)
 
 
-def agree_max(value: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
-    """The maximum of `value` over the ranks of `group`."""
-    t = torch.tensor([value], dtype=torch.long, device=device)
+def agree_max(value: int, group: dist.ProcessGroup | None) -> int:
+    """The maximum of `value` over the ranks of `group`, agreed over the group's CPU backend (gloo; the trainer
+    group has one beside NCCL): a host count, so reading it never waits for the GPU's queue (the previous step's
+    optimizer work may still run there)."""
+    t = torch.tensor([value], dtype=torch.long)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
 
@@ -105,7 +107,7 @@ def forward_backward(
     else a later call's (a step whose batch comes in parts, `rl.waves`). Returns the statistics of each of this
     rank's micro-batches (callers combine them, and reduce them across ranks).
     """
-    n = agree_max(len(micro_batches), group, device)
+    n = agree_max(len(micro_batches), group)
     stats: list[S] = []
     for i in range(n):
         real = i < len(micro_batches)
@@ -140,7 +142,7 @@ def add_reference_logprobs(
     chunk_size: int = 1024,
 ) -> None:
     """Log-probs of the targets under a frozen reference model, stored as the micro-batches' `ref_logp` (lockstep)."""
-    n = agree_max(len(micro_batches), group, device)
+    n = agree_max(len(micro_batches), group)
     for i in range(n):
         mb: PackedRow = micro_batches[i] if i < len(micro_batches) else _dummy_micro_batch(device)
         logp, _ = ref_model(
