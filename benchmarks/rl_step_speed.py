@@ -1,0 +1,243 @@
+"""The RL trainer step's speed as an RL run trains, on one device: tokens/s, exact FLOPs and MFU.
+
+A step is the job's own (`training.rl_step.RLStep`): samples with an RL length mix (short prompts, completions
+from a long-tailed distribution up to --max-completion tokens) packed into micro-batches of
+--micro-batch-tokens, several per optimizer step, the loss mask on completions, the job's RL loss
+(`rl_loss_fn`: REINFORCE with truncated importance weights, the statistics read once per step), clipping and
+AdamW; the model built from a named shape with random weights and sharded as the trainer shards it
+(`training.policy.shard`: FSDP2 on one rank, the configured precision, activation checkpointing, compile).
+
+    python -m benchmarks.rl_step_speed --flavour qwen2.5-0.5b                    # GPU: 4 x 32k tokens per step
+    python -m benchmarks.rl_step_speed --flavour qwen2.5-1.5b --checkpointing
+    python -m benchmarks.rl_step_speed --flavour smollm2-135m --quick            # CPU (fp32)
+
+FLOPs per step, exact for the packed rows (model FLOPs: the recomputation of activation checkpointing and of the
+chunked log-probs' backward is not counted): the blocks' matrix products 6 x (block matmul parameters) x tokens;
+causal attention 12 x heads x head_dim x (L(L+1)/2 per document of L positions) per layer (forward QK^T and PV,
+twice that backward); the output head 6 x hidden x vocab at the positions it runs (the completion tokens only).
+`6N` (N every parameter, embeddings once) x tokens is printed beside it. MFU = FLOPs / step time / the device's
+dense bf16 peak (H100 and H200 SXM: 989 TFLOP/s; --peak-tflops for others); on CPU the fraction of this
+machine's measured fp32 matrix-product rate at the model's shapes (`step_vs_plain.matmul_gflops`).
+`plan_gib`: what `--job.stage=plan` predicts for this step on one rank (weight sync and CUDA context left out),
+next to the measured `peak_mem_gib`. Steps are timed with CUDA events on GPU (time.perf_counter on CPU), after
+--warmup steps. Prints a table; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.harness import RESULTS, report
+from benchmarks.step_vs_plain import matmul_gflops
+from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.models import build_model, flavour_args
+from pipelinerl_fsdp.models.args import ModelArgs
+from pipelinerl_fsdp.models.hf_io import read_model_args
+from pipelinerl_fsdp.plan import trainer_memory
+from pipelinerl_fsdp.rl.batching import rl_micro_batches
+from pipelinerl_fsdp.samples import Sample
+from pipelinerl_fsdp.training.parallelize import resolve_compile, resolve_param_dtype
+
+VERSION = 5  # the trained version; tokens are sampled by it or by the one before (lag 0 and 1)
+# SmolLM2-135M-Instruct's shape (the CPU runs' real model; its config.json needs the converted folder)
+SHAPES = {
+    "smollm2-135m": ModelArgs(
+        model_type="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        qkv_bias=False,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        max_position_embeddings=8192,
+    )
+}
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense, SXM
+
+
+def model_shape(name: str, folder: Path | None) -> ModelArgs:
+    """The shape of an HF folder's config.json, else a named shape (SHAPES, then the project's flavours)."""
+    if folder is not None:
+        return read_model_args(folder)
+    return SHAPES[name] if name in SHAPES else flavour_args(name)
+
+
+def rl_samples(rng: random.Random, tokens: int, budget: int, max_completion: int, vocab: int) -> list[Sample]:
+    """Samples of about `tokens` tokens in all, as an RL step gets them: prompts of 32-512 tokens (at most a
+    quarter of `budget`), completions log-normal (median 600 tokens, sigma 1.2: a long tail) cut to
+    [16, max_completion], each sequence within `budget`; groups of 8; completion tokens sampled by the version
+    before VERSION up to a random point, then by VERSION (an in-flight update); each sample's loss weight
+    1 / samples (`loss.normalize = "sequences"`)."""
+    out: list[Sample] = []
+    total = 0
+    while total < tokens:
+        prompt = rng.randint(32, min(512, budget // 4))
+        completion = int(min(max_completion, budget - prompt, max(16, rng.lognormvariate(math.log(600), 1.2))))
+        cut = rng.randint(0, completion - 1)  # tokens before it sampled by the version before
+        out.append(
+            Sample(
+                group_id=len(out) // 8,
+                prompt_ids=[rng.randrange(vocab) for _ in range(prompt)],
+                completion_ids=[rng.randrange(vocab) for _ in range(completion)],
+                logprobs=[-rng.uniform(0.05, 3.0) for _ in range(completion)],
+                versions=[VERSION - 1] * cut + [VERSION] * (completion - cut),
+                reward=float(rng.random() < 0.5),
+                advantage=rng.uniform(-1, 1),
+            )
+        )
+        total += prompt + completion
+    for s in out:
+        s.loss_weight = 1 / len(out)
+    return out
+
+
+def step_flops(args: ModelArgs, doc_positions: list[int], head_tokens: int) -> dict[str, float]:
+    """Model FLOPs of one forward + backward (see the module docstring) over packed documents of the given
+    positions (a document of n tokens has n - 1), the head at `head_tokens` positions."""
+    hd = args.head_dim or args.hidden_size // args.num_attention_heads
+    h, heads, kv, layers = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.num_hidden_layers
+    block_matmul = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * args.intermediate_size
+    tokens = sum(doc_positions)
+    pairs = sum(n * (n + 1) // 2 for n in doc_positions)  # (query, key) pairs causal attention computes
+    return {
+        "blocks": 6.0 * layers * block_matmul * tokens,
+        "attention": 12.0 * layers * heads * hd * pairs,
+        "head": 6.0 * h * args.vocab_size * head_tokens,
+    }
+
+
+def documents(position_ids: torch.Tensor) -> list[int]:
+    """The positions of each packed document of a row (a document starts where its position is 0)."""
+    starts = (position_ids[0] == 0).nonzero()[:, 0].tolist() + [position_ids.shape[1]]
+    return [b - a for a, b in zip(starts, starts[1:])]
+
+
+def peak_tflops(device: torch.device, given: float | None) -> float | None:
+    """The device's dense bf16 peak: --peak-tflops, else by the GPU's name (None when unknown)."""
+    if given is not None or device.type != "cuda":
+        return given
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--flavour", default="qwen2.5-0.5b", help=f"a shape: {sorted(SHAPES)} or a model flavour")
+    p.add_argument("--model", type=Path, default=None, help="an HF model folder: its shape instead of --flavour")
+    p.add_argument("--micro-batch-tokens", type=int, default=32768)
+    p.add_argument("--micro-batches", type=int, default=4, help="per optimizer step (about: packing decides)")
+    p.add_argument("--max-completion", type=int, default=8192)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--defer-grad-sync", choices=["true", "false"], default="true")
+    p.add_argument("--quick", action="store_true", help="CPU smoke size: 2 x 512 tokens, 1 + 2 steps")
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (job.threads_per_rank; 0: every core)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS / "rl_step_speed.json")
+    a = p.parse_args()
+    if a.quick:
+        a.micro_batch_tokens, a.micro_batches, a.max_completion, a.warmup, a.steps = 512, 2, 384, 1, 2
+    args = model_shape(a.flavour, a.model)
+    cfg = load_config(
+        [
+            "--job.stage=warmstart",
+            "--world.inference_ranks=0",
+            f"--trainer.micro_batch_tokens={a.micro_batch_tokens}",
+            f"--trainer.defer_grad_sync={a.defer_grad_sync}",
+            f"--trainer.activation_checkpointing={'full' if a.checkpointing else 'off'}",
+            f"--trainer.compile={a.compile}",
+            "--trainer.optimizer.warmup_steps=0",
+            f"--job.threads_per_rank={a.threads}",
+        ]
+    )
+    from pipelinerl_fsdp.job.world import init_world
+    from pipelinerl_fsdp.training.policy import build_policy, shard
+    from pipelinerl_fsdp.training.rl_step import RLStep
+
+    world = init_world(cfg)
+    device = world.device
+    cuda = device.type == "cuda"
+    model = shard(build_model(args, seed=a.seed), world, cfg.trainer)
+    policy = build_policy(model, cfg.trainer.optimizer, a.warmup + a.steps + 1)
+    step = RLStep(policy, None, cfg.loss, 0.0, cfg.trainer, 1.0, world.trainer_group, device, 1)
+    rng = random.Random(a.seed)
+    # one batch for every step: the same work each time (a fresh batch per step would time the packing twice)
+    samples = rl_samples(rng, int(0.97 * a.micro_batches * a.micro_batch_tokens), a.micro_batch_tokens,
+                         a.max_completion, args.vocab_size)  # fmt: skip
+    micro = rl_micro_batches(samples, a.micro_batch_tokens, torch.device("cpu"), VERSION)
+    docs = [n for mb in micro for n in documents(mb.position_ids)]
+    head_tokens = int(sum(float(mb.loss_input.mask.sum()) for mb in micro))
+    flops = step_flops(args, docs, head_tokens)
+    times: list[float] = []
+    for i in range(a.warmup + a.steps):
+        if i == a.warmup and cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step.run([samples], 1, VERSION)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000
+        else:
+            t0 = time.perf_counter()
+            step.run([samples], 1, VERSION)
+            seconds = time.perf_counter() - t0
+        if i >= a.warmup:
+            times.append(seconds)
+    secs = statistics.median(times)
+    tokens = sum(docs)
+    total = sum(flops.values())
+    peak = peak_tflops(device, a.peak_tflops)
+    h, inter, v = args.hidden_size, args.intermediate_size, args.vocab_size
+    qkv = (args.num_attention_heads + 2 * args.num_key_value_heads) * (args.head_dim or h // args.num_attention_heads)
+    cpu_rate = None if cuda else matmul_gflops(min(tokens, 2048), [(h, qkv), (h, inter), (inter, h), (h, v)]) * 1e9
+    dtype = str(resolve_param_dtype(cfg.trainer.param_dtype, device)).removeprefix("torch.")
+    plan_items = trainer_memory(replace(cfg.trainer, param_dtype=dtype), args, 1, a.checkpointing)
+    plan = sum(x for k, x in plan_items.items() if not k.startswith(("weight sync", "CUDA context")))
+    row = {
+        "shape": a.model.name if a.model else a.flavour,
+        "params_m": round(args.num_params() / 1e6, 1),
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "dtype": dtype,
+        "compile": resolve_compile(a.compile, device),
+        "checkpointing": a.checkpointing,
+        "defer_grad_sync": cfg.trainer.defer_grad_sync,
+        "micro_batches": len(micro),
+        "tokens": tokens,
+        "documents": len(docs),
+        "head_tokens": head_tokens,
+        "step_s": round(secs, 4),
+        "step_s_min": round(min(times), 4),
+        "tokens_per_s": round(tokens / secs, 1),
+        "tflop_step": round(total / 1e12, 3),
+        "tflop_blocks_attention_head": [round(flops[k] / 1e12, 3) for k in ("blocks", "attention", "head")],
+        "tflop_6n": round(6 * args.num_params() * tokens / 1e12, 3),
+        "achieved_tflop_s": round(total / secs / 1e12, 3),
+        "mfu": round(total / secs / (peak * 1e12), 4) if peak else None,
+        "cpu_matmul_gflop_s": round(cpu_rate / 1e9, 1) if cpu_rate else None,
+        "frac_of_matmul_rate": round(total / secs / cpu_rate, 4) if cpu_rate else None,
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
+        "plan_gib": round(plan / 2**30, 2),
+    }
+    report(a.out, "RL trainer step speed on one device", list(row), [list(row.values())], row)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""benchmarks/rl_step_speed.py's pure parts: the RL length mix and the exact FLOP count of a packed step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from benchmarks.rl_step_speed import SHAPES, documents, rl_samples, step_flops
+from pipelinerl_fsdp.models import flavour_args
+
+
+def test_the_length_mix_has_short_prompts_and_a_long_tail_within_the_budget():
+    samples = rl_samples(random.Random(0), 200_000, 32768, 8192, 1000)
+    prompts = [len(s.prompt_ids) for s in samples]
+    completions = sorted(len(s.completion_ids) for s in samples)
+    assert sum(prompts) + sum(completions) >= 200_000 and max(prompts) <= 512
+    assert 16 <= completions[0] and completions[-1] <= 8192
+    median = completions[len(completions) // 2]
+    assert 300 < median < 1200 and completions[int(0.95 * len(completions))] > 3 * median  # a long tail
+    assert sum(s.loss_weight for s in samples) == pytest.approx(1.0)
+    assert all(s.versions[-1] == 5 and set(s.versions) <= {4, 5} for s in samples)
+
+
+def test_step_flops_count_each_part_at_the_positions_it_runs():
+    args = flavour_args("debug")  # hidden 128, MLP 384, 4 layers, 4 heads of 32, 2 kv heads, vocab 32
+    f = step_flops(args, [3, 5], head_tokens=4)
+    block = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384
+    assert f["blocks"] == 6 * 4 * block * 8
+    assert f["attention"] == 12 * 4 * 128 * (6 + 15)  # 3(4)/2 + 5(6)/2 causal pairs, heads x head_dim = 128
+    assert f["head"] == 6 * 128 * 32 * 4
+    # the blocks' matrix products are 6N x tokens for the blocks' parameters, biases and norms aside
+    big = SHAPES["smollm2-135m"]
+    tokens = 4096
+    blocks = step_flops(big, [tokens], 0)["blocks"]
+    embed = big.vocab_size * big.hidden_size
+    assert blocks == pytest.approx(6 * (big.num_params() - embed) * tokens, rel=1e-3)
+    assert big.num_params() == pytest.approx(134.5e6, rel=0.01)  # SmolLM2-135M
+
+
+def test_documents_are_read_from_the_restarting_positions():
+    assert documents(torch.tensor([[0, 1, 2, 0, 1, 0]])) == [3, 2, 1]
