@@ -60,6 +60,7 @@ def planned_peak(args, tokens: int, checkpointing: bool, dtype: torch.dtype) -> 
             f"--trainer.micro_batch_tokens={tokens}",
             f"--trainer.param_dtype={str(dtype).removeprefix('torch.')}",
             "--trainer.ac_every=1",
+            "--trainer.defer_grad_sync=false",  # this step has one micro-batch
         ]
     )
     items = trainer_memory(
