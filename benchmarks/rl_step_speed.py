@@ -136,22 +136,26 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flavour", default="qwen2.5-0.5b", help=f"a shape: {sorted(SHAPES)} or a model flavour")
     p.add_argument("--model", type=Path, default=None, help="an HF model folder: its shape instead of --flavour")
-    p.add_argument("--micro-batch-tokens", type=int, default=32768)
-    p.add_argument("--micro-batches", type=int, default=4, help="per optimizer step (about: packing decides)")
-    p.add_argument("--max-completion", type=int, default=8192)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=10)
+    # sizes: (full, --quick); a value given wins over both
+    p.add_argument("--micro-batch-tokens", type=int, help="32768 (--quick: 512)")
+    p.add_argument("--micro-batches", type=int, help="per optimizer step, about (packing decides): 4 (--quick: 2)")
+    p.add_argument("--max-completion", type=int, help="8192 (--quick: 384)")
+    p.add_argument("--warmup", type=int, help="3 (--quick: 1)")
+    p.add_argument("--steps", type=int, help="10 timed steps (--quick: 2)")
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--defer-grad-sync", choices=["true", "false"], default="true")
-    p.add_argument("--quick", action="store_true", help="CPU smoke size: 2 x 512 tokens, 1 + 2 steps")
+    p.add_argument("--quick", action="store_true", help="CPU size: about 2 x 512 tokens, 1 + 2 steps")
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--threads", type=int, default=0, help="torch threads (job.threads_per_rank; 0: every core)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "rl_step_speed.json")
     a = p.parse_args()
-    if a.quick:
-        a.micro_batch_tokens, a.micro_batches, a.max_completion, a.warmup, a.steps = 512, 2, 384, 1, 2
+    sizes = {"micro_batch_tokens": (32768, 512), "micro_batches": (4, 2), "max_completion": (8192, 384)}
+    sizes.update(warmup=(3, 1), steps=(10, 2))
+    for key, (full, quick) in sizes.items():
+        if getattr(a, key) is None:
+            setattr(a, key, quick if a.quick else full)
     args = model_shape(a.flavour, a.model)
     cfg = load_config(
         [
