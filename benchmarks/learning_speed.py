@@ -120,6 +120,12 @@ def parse_args() -> argparse.Namespace:
         help="one more --section.key=value override for every run; repeat: --extra=--rl.lr=1e-5",
     )
     p.add_argument(
+        "--resummarise",
+        action="store_true",
+        help="no runs: recompute --out's tables, JSON and plots from its runs' step metrics and the held-out curves "
+        "its JSON holds (after a change to the statistics)",
+    )
+    p.add_argument(
         "--replot",
         action="store_true",
         help="only draw --out's learning_speed.png from its learning_speed.json (e.g. after installing matplotlib)",
@@ -240,6 +246,9 @@ def main() -> None:
         if plot_lag(saved["modes"], a.out / "learning_speed_lag.png"):
             print(f"token-lag histogram: {a.out / 'learning_speed_lag.png'}", flush=True)
         return
+    if a.resummarise:
+        resummarise(a.out)
+        return
     ts = TASK_SETTINGS[a.task]
     a.config = a.config or TASK_CONFIG[a.task]
     default_target, default_more = ts.accuracy_targets if a.metric == "accuracy" else ts.reward_targets
@@ -330,21 +339,6 @@ def main() -> None:
     if evaluator is not None:
         evaluator.close()
     results = {name: aggregate(runs) for name, runs in per_seed.items()}
-    speedups(results)
-    conv1 = results.get("conventional_G1")
-    bound = overlap_bound(conv1["trainer_busy_frac"], conv1["inference_busy_frac"]) if conv1 else None
-    md = table(results, target, a.window, bound, a.seeds, a.engine or TASK_ENGINE[a.task], metric)
-    by_turn = {name: v["lag_by_turn"] for name, v in results.items() if v.get("lag_by_turn")}
-    if by_turn:  # a multi-turn task: how stale each turn index's tokens were
-        turns = sorted({i for v in by_turn.values() for i in v}, key=int)
-        md += "\n\nMean lag by model turn index (versions between the trained weights and a turn's tokens):\n\n"
-        md += "| mode | " + " | ".join(f"turn {i}" for i in turns) + " |\n|---|" + "---|" * len(turns) + "\n"
-        md += "\n".join(
-            f"| {name} | " + " | ".join(f"{v[i]:.2f}" if i in v else "-" for i in turns) + " |"
-            for name, v in by_turn.items()
-        )
-    md += lag_table(results)
-    print(md, flush=True)
     meta = {
         "task": a.task,
         "config": a.config,
@@ -363,19 +357,67 @@ def main() -> None:
         "inference_ranks": a.inference_ranks,
         "engine": a.engine or TASK_ENGINE[a.task],
         "loss": a.loss,
+        "metric_text": metric,
         "extra": a.extra,
         "cpu_count": os.cpu_count(),
-        "bound": bound,
     }
-    (a.out / "learning_speed.json").write_text(
-        json.dumps({"settings": meta, "bound": bound, "modes": results}, indent=1)
-    )
-    (a.out / "learning_speed.md").write_text(md + "\n")
-    if plot(results, target, a.out / "learning_speed.png"):
-        print(f"plot: {a.out / 'learning_speed.png'}", flush=True)
-    if plot_lag(results, a.out / "learning_speed_lag.png"):
-        print(f"token-lag histogram: {a.out / 'learning_speed_lag.png'}", flush=True)
-    print(f"JSON: {a.out / 'learning_speed.json'}; TensorBoard: tensorboard --logdir {a.out / 'runs'}", flush=True)
+    write_report(a.out, results, meta)
+
+
+def write_report(out: Path, results: dict, meta: dict) -> None:
+    """Speed-ups, the bound, the tables, JSON and plots of a run's `results` (mode -> `aggregate`) under `out`."""
+    speedups(results)
+    conv1 = results.get("conventional_G1")
+    bound = overlap_bound(conv1["trainer_busy_frac"], conv1["inference_busy_frac"]) if conv1 else None
+    meta = {**meta, "bound": bound}
+    target, window, metric = meta["target"], meta["window"], meta["metric_text"]
+    md = table(results, target, window, bound, meta["seeds"], meta["engine"], metric)
+    by_turn = {name: v["lag_by_turn"] for name, v in results.items() if v.get("lag_by_turn")}
+    if by_turn:  # a multi-turn task: how stale each turn index's tokens were
+        turns = sorted({i for v in by_turn.values() for i in v}, key=int)
+        md += "\n\nMean lag by model turn index (versions between the trained weights and a turn's tokens):\n\n"
+        md += "| mode | " + " | ".join(f"turn {i}" for i in turns) + " |\n|---|" + "---|" * len(turns) + "\n"
+        md += "\n".join(
+            f"| {name} | " + " | ".join(f"{v[i]:.2f}" if i in v else "-" for i in turns) + " |"
+            for name, v in by_turn.items()
+        )
+    md += lag_table(results)
+    print(md, flush=True)
+    (out / "learning_speed.json").write_text(json.dumps({"settings": meta, "bound": bound, "modes": results}, indent=1))
+    (out / "learning_speed.md").write_text(md + "\n")
+    if plot(results, target, out / "learning_speed.png"):
+        print(f"plot: {out / 'learning_speed.png'}", flush=True)
+    if plot_lag(results, out / "learning_speed_lag.png"):
+        print(f"token-lag histogram: {out / 'learning_speed_lag.png'}", flush=True)
+    print(f"JSON: {out / 'learning_speed.json'}; TensorBoard: tensorboard --logdir {out / 'runs'}", flush=True)
+
+
+def resummarise(out: Path) -> None:
+    """Every run's summary again from its step metrics (`runs/<mode>_seed<k>/rl/metrics.jsonl`), with the held-out
+    curve and token-lag histogram its saved summary holds (evaluating the exports again would cost minutes and give
+    the same numbers), then the report."""
+    saved = json.loads((out / "learning_speed.json").read_text())
+    meta = saved["settings"]
+    more, rewards = meta["more_targets"], meta.get("reward_targets") or []
+    results = {}
+    for name, mode in saved["modes"].items():
+        runs = []
+        for k, old in enumerate(mode["seeds"]):
+            folder = out / "runs" / f"{name}_seed{meta['first_seed'] + k}"
+            recs = [json.loads(x) for x in (folder / "rl" / "metrics.jsonl").read_text().splitlines()]
+            r = summarise(recs, meta["target"], more, meta["window"], old.get("eval_curve"), rewards)
+            if "token_lag" in old:
+                r["token_lag"] = old["token_lag"]
+            runs.append(r)
+        results[name] = aggregate(runs)
+    if "metric_text" not in meta:  # a JSON older than this key: the sentence the run printed is not kept
+        meta["metric_text"] = (
+            f"held-out greedy accuracy ({meta['eval_size']} problems) of the policy exported every "
+            f"{meta['eval_every']} steps, linear between exports"
+            if meta["eval_size"]
+            else ""
+        )
+    write_report(out, results, meta)
 
 
 if __name__ == "__main__":

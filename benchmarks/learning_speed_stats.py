@@ -74,11 +74,13 @@ def summarise(
         "mixed_version_frac": mean("mixed_version_frac"),
         # multi-turn tasks: the mean lag of each model turn index (1, 2, ...) over the steps that had such turns
         "lag_by_turn": lag_by_turn(steps),
-        "trainer_busy_frac": mean("trainer_busy_frac"),
-        "inference_busy_frac": mean("inference_busy_frac"),
+        # fractions of the run's time, not means of the steps' fractions: steps differ in length (conventional G > 1
+        # generates G batches in its first step and trains the next G - 1 without generating)
+        "trainer_busy_frac": time_weighted_mean(steps, "trainer_busy_frac"),
+        "inference_busy_frac": time_weighted_mean(steps, "inference_busy_frac"),
         # where each side waited on the other (absent from runs older than these metrics)
-        "trainer_push_blocked_frac": optional_mean(steps, "trainer_push_blocked_frac"),
-        "inference_send_blocked_frac": optional_mean(steps, "inference_send_blocked_frac"),
+        "trainer_push_blocked_frac": time_weighted_mean(steps, "trainer_push_blocked_frac"),
+        "inference_send_blocked_frac": time_weighted_mean(steps, "inference_send_blocked_frac"),
         # the truncated weights' ESS (what the loss uses) beside the raw one
         "mean_ess_truncated": statistics.fmean(ess_truncated) if ess_truncated else None,
         "min_ess_truncated": min(ess_truncated) if ess_truncated else None,
@@ -118,10 +120,18 @@ def mean_by_index(steps: list[dict], prefix: str) -> dict[str, float]:
     return {i: statistics.fmean(v) for i, v in sorted(out.items(), key=lambda kv: int(kv[0]))}
 
 
-def optional_mean(steps: list[dict], key: str) -> float | None:
-    """Mean of `key` over the steps that logged a finite value; None when none did."""
-    xs = [r[key] for r in steps if r.get(key) is not None and math.isfinite(r[key])]
-    return statistics.fmean(xs) if xs else None
+def time_weighted_mean(steps: list[dict], key: str) -> float | None:
+    """Mean of a per-step fraction `key` weighted by each step's wall time (`wall_time_s` is cumulative: the first
+    step's own time is its value), over the steps that logged a finite value; None when none did. A fraction of
+    each step's time becomes the fraction of the run's time."""
+    num = den = 0.0
+    prev = 0.0
+    for r in steps:
+        dur, prev = r["wall_time_s"] - prev, r["wall_time_s"]
+        v = r.get(key)
+        if v is not None and math.isfinite(v):
+            num, den = num + v * dur, den + dur
+    return num / den if den > 0 else None
 
 
 def mean_over_seeds(per_seed: list[dict], key: str) -> dict[str, float]:

@@ -30,7 +30,8 @@ def use_fused_adamw(devices: Iterable[torch.device]) -> bool:
     """Whether AdamW runs fused (one kernel per group of parameters instead of the foreach path's several
     kernels per update term): when every parameter is on CUDA. FSDP2's DTensor parameters can take the fused
     kernel: torch registers `aten._fused_adamw_` as a pointwise op of DTensor (torch/distributed/tensor/_ops/
-    _pointwise_ops.py, "fused optimizer ops", 2.11 and 2.13), so each rank updates its own shard. Elsewhere torch's
+    _pointwise_ops.py, "fused optimizer ops", read in the installed 2.13; torch 2.11, the lent GPU's, is exercised by
+    the GPU check's `step` parts, which build this optimizer), so each rank updates its own shard. Elsewhere torch's
     default stays (foreach on GPU, one tensor at a time on CPU): what the CPU tests and results were measured with
     (fused exists on CPU too, equal to it within float rounding: tests/unit/training/test_optim.py)."""
     devices = list(devices)

@@ -297,3 +297,19 @@ def test_the_long_generation_numbers_are_summarised_per_run_and_merged_over_seed
     text = ls.lag_table(results)
     assert "| pipeline | 0 / 1 / 4 | 10 |" in text and "| 3.00 | 1.00 |" in text
     assert ls.lag_table({"pipeline": st.aggregate([run(10.0)])}) == ""  # no dumps: no second table
+
+
+def test_busy_fractions_are_fractions_of_the_run_s_time_not_means_of_the_steps():
+    # conventional G=4's shape: one long step that generates (engine busy 0.9 of its 40 s) and three short ones that
+    # only train (engine idle over their 4 s each); by hand: engine busy (0.9 * 40) / 52, trainer (0.1 * 40 + 3 * 4
+    # * 0.95) / 52
+    walls, engine, trainer = [40.0, 44.0, 48.0, 52.0], [0.9, 0.0, 0.0, 0.0], [0.1, 0.95, 0.95, 0.95]
+    recs = [
+        {"step": i + 1, "wall_time_s": w, "samples": 64 * (i + 1), "reward_mean": 0.5, "ess": 1.0, "lag_mean": 0.0,
+         "lag_max": 0, "mixed_version_frac": 0.0, "trainer_busy_frac": t, "inference_busy_frac": e}
+        for i, (w, e, t) in enumerate(zip(walls, engine, trainer))
+    ]  # fmt: skip
+    r = st.summarise(recs, 0.9, [], 2)
+    assert r["inference_busy_frac"] == pytest.approx(0.9 * 40 / 52)
+    assert r["trainer_busy_frac"] == pytest.approx((0.1 * 40 + 3 * 4 * 0.95) / 52)
+    assert st.time_weighted_mean(recs, "absent") is None
