@@ -30,6 +30,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -149,6 +150,13 @@ def main() -> None:
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--threads", type=int, default=0, help="torch threads (job.threads_per_rank; 0: every core)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="after the timed steps, one more step under torch.profiler: its operators by self device time (CPU: "
+        "self CPU time), the top 40, written to this file (where the step's time goes)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "rl_step_speed.json")
     a = p.parse_args()
     sizes = {"micro_batch_tokens": (32768, 512), "micro_batches": (4, 2), "max_completion": (8192, 384)}
@@ -204,6 +212,8 @@ def main() -> None:
             seconds = time.perf_counter() - t0
         if i >= a.warmup:
             times.append(seconds)
+    if a.profile is not None:
+        profile_step(lambda: step.run([samples], 1, VERSION), cuda, a.profile)
     secs = statistics.median(times)
     tokens = sum(docs)
     total = sum(flops.values())
@@ -241,6 +251,22 @@ def main() -> None:
     }
     report(a.out, "RL trainer step speed on one device", list(row), [list(row.values())], row)
     dist.destroy_process_group()
+
+
+def profile_step(run_step: Callable[[], object], cuda: bool, path: Path) -> None:
+    """One step under torch.profiler; its operators' table by self device time (self CPU time without CUDA), the
+    top 40, into `path` (not a timed step: the profiler adds its own cost)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        run_step()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+    print(f"profile: {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,10 @@ def torchrun(nproc: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
 
 
+# the parts, by group (--parts)
+GROUPS = ("startup", "job", "ess", "step", "attention", "rl_step", "vllm")
+
+
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
@@ -93,7 +97,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="rehearse on a CPU machine (device cpu, small shapes)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check")
+    p.add_argument(
+        "--parts",
+        default="all",
+        help=f"comma list of part groups to run: {', '.join(GROUPS)} (default: all); the job's warm start comes "
+        "from `job`, which the `ess` parts need",
+    )
     a = p.parse_args()
+    groups = set(GROUPS) if a.parts == "all" else set(a.parts.split(","))
+    if groups - set(GROUPS):
+        raise SystemExit(f"--parts: unknown {sorted(groups - set(GROUPS))}; choose from {', '.join(GROUPS)}")
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     device = "cpu" if a.cpu else "cuda"
@@ -111,8 +124,9 @@ def main() -> None:
     print(json.dumps(info), flush=True)
     rows: list[dict] = []
     probe = [str(ROOT / "scripts" / "startup_probe.py"), "--device", device]
-    rows.append(run("startup_landed", torchrun(2, *probe, "--layout", "landed"), out, 40, env))
-    rows.append(run("startup_fixed", torchrun(2, *probe, "--layout", "fixed"), out, 60, env))
+    if "startup" in groups:
+        rows.append(run("startup_landed", torchrun(2, *probe, "--layout", "landed"), out, 40, env))
+        rows.append(run("startup_fixed", torchrun(2, *probe, "--layout", "fixed"), out, 60, env))
 
     ws, job_out = out / "warmstart", out / "job"
     job = [
@@ -135,14 +149,15 @@ def main() -> None:
         "--metrics.log_every=10",
         "--job.threads_per_rank=1",
     ]
-    row = run("job", torchrun(2, str(ROOT / "run_train.py"), *job), out, 200, env)
-    row.update(job_summary(job_out))
-    rows.append(row)
+    if "job" in groups:
+        row = run("job", torchrun(2, str(ROOT / "run_train.py"), *job), out, 200, env)
+        row.update(job_summary(job_out))
+        rows.append(row)
 
     # bf16 blocks on the GPU ("auto"); the rehearsal asks for them too, since on CPU "auto" is fp32 and every head
     # setting then computes the same fp32 head
     params = "bfloat16" if a.cpu else "auto"
-    for name, head in (("ess_fp32_head", "on"), ("ess_bf16_head", "auto")):
+    for name, head in (("ess_fp32_head", "on"), ("ess_bf16_head", "auto")) if "ess" in groups else ():
         folder = out / name
         cmd = [
             sys.executable,
@@ -163,7 +178,7 @@ def main() -> None:
         rows.append(row)
 
     shape = ["--flavour", "debug", "--tokens", "1024"] if a.cpu else ["--flavour", "qwen2.5-0.5b", "--tokens", "8192"]
-    for name, extra in (("step", []), ("step_ac", ["--checkpointing"])):
+    for name, extra in (("step", []), ("step_ac", ["--checkpointing"])) if "step" in groups else ():
         js = out / f"{name}.json"
         cmd = [sys.executable, "-m", "benchmarks.train_step_speed", *shape, "--docs", "8"]
         row = run(name, [*cmd, *extra, "--out", str(js)], out, 90, env)
@@ -173,18 +188,39 @@ def main() -> None:
         rows.append(row)
 
     # attention over packed documents: the one varlen kernel against the per-document loop (docs/gpu.md)
-    js = out / "attention.json"
-    tiny = ["--tokens", "512", "--max-doc", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
-    cmd = [sys.executable, "-m", "benchmarks.packed_attention", "--device", device, *(tiny if a.cpu else [])]
-    cmd += ["--out", str(js)]
-    row = run("attention", cmd, out, 120, env)
-    if js.is_file():
-        att = json.loads(js.read_text())
-        row.update({k: att[k] for k in ("attn_docs", "loop_ms", "varlen_ms", "speedup", "loop_err", "varlen_err")})
-        row.update(agree=att["agree"], varlen_syncs=att["syncs"].get("varlen", att["varlen_status"]))
-    rows.append(row)
+    if "attention" in groups:
+        js = out / "attention.json"
+        tiny = ["--tokens", "512", "--max-doc", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+        cmd = [sys.executable, "-m", "benchmarks.packed_attention", "--device", device, *(tiny if a.cpu else [])]
+        cmd += ["--out", str(js)]
+        row = run("attention", cmd, out, 120, env)
+        if js.is_file():
+            att = json.loads(js.read_text())
+            row.update({k: att[k] for k in ("attn_docs", "loop_ms", "varlen_ms", "speedup", "loop_err", "varlen_err")})
+            row.update(agree=att["agree"], varlen_syncs=att["syncs"].get("varlen", att["varlen_status"]))
+        rows.append(row)
 
-    if not a.cpu and importlib.util.find_spec("vllm") is not None:  # a GPU machine of the user's, with CUDA vLLM
+    # the RL step as a run trains (issue: the trainer at GPU speed): 4 x 32k-token micro-batches of an RL length mix,
+    # exact FLOPs and MFU; compiled blocks with the profile of one step, the same eager, and the 1.5B shape
+    rl_parts = (
+        ("rl_step_05b", ["--flavour", "qwen2.5-0.5b", "--profile", str(out / "rl_step_05b_profile.txt")]),
+        ("rl_step_05b_eager", ["--flavour", "qwen2.5-0.5b", "--compile", "off"]),
+        ("rl_step_15b", ["--flavour", "qwen2.5-1.5b", "--checkpointing"]),
+    )
+    for name, extra in rl_parts if "rl_step" in groups else ():
+        js = out / f"{name}.json"
+        if a.cpu:  # the rehearsal: the debug shape, CPU sizes
+            extra = ["--flavour", "debug", "--quick", *extra[2:]]
+        cmd = [sys.executable, "-m", "benchmarks.rl_step_speed", *extra, "--out", str(js)]
+        row = run(name, cmd, out, 150, env)
+        if js.is_file():
+            step = json.loads(js.read_text())
+            keep = ("tokens_per_s", "tflop_step", "achieved_tflop_s", "mfu", "frac_of_matmul_rate", "peak_mem_gib")
+            row.update({k: step[k] for k in (*keep, "plan_gib", "compile")})
+        rows.append(row)
+
+    # a GPU machine of the user's, with CUDA vLLM
+    if "vllm" in groups and not a.cpu and importlib.util.find_spec("vllm") is not None:
         rows.append(
             run(
                 "vllm_engines",
