@@ -203,7 +203,10 @@ def main() -> None:
     # the RL step as a run trains (issue: the trainer at GPU speed): 4 x 32k-token micro-batches of an RL length mix,
     # exact FLOPs and MFU; compiled blocks with the profile of one step, the same eager, and the 1.5B shape
     rl_parts = (
-        ("rl_step_05b", ["--flavour", "qwen2.5-0.5b", "--profile", str(out / "rl_step_05b_profile.txt")]),
+        (
+            "rl_step_05b",
+            ["--flavour", "qwen2.5-0.5b", "--compile", "on", "--profile", str(out / "rl_step_05b_profile.txt")],
+        ),
         ("rl_step_05b_eager", ["--flavour", "qwen2.5-0.5b", "--compile", "off"]),
         ("rl_step_15b", ["--flavour", "qwen2.5-1.5b", "--checkpointing"]),
     )

@@ -114,7 +114,8 @@ class TrainerConfig:
     # With fp32 parameters (CPU) all three are the same fp32 head
     fp32_head: Literal["auto", "on", "off"] = "auto"
     # torch.compile each decoder block's parts around attention (norms, residuals, MLP; training/parallelize.py):
-    # "auto": on CUDA, off on CPU (not measured faster there)
+    # "auto": on the devices where compiled blocks were measured faster (none yet: `training.parallelize.
+    # resolve_compile`; the GPU check compares them on a GPU), "on" / "off" as said
     compile: Literal["auto", "on", "off"] = "auto"
 
     def decided(self) -> tuple[int, bool]:

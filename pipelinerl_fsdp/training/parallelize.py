@@ -41,13 +41,18 @@ def resolve_fp32_head(setting: str, param_dtype: torch.dtype) -> HeadPrecision:
     return HeadPrecision(param_dtype, round_logits=setting == "off")
 
 
+# device types on which compiled blocks were measured faster than eager ones (what "auto" compiles on)
+MEASURED_FASTER_COMPILED: frozenset[str] = frozenset()
+
+
 def resolve_compile(setting: str, device: torch.device) -> bool:
-    """`trainer.compile`: "auto" compiles on CUDA, where the eager block is a string of small kernels the host must
-    launch one by one; not on CPU, where it has not been measured faster (benchmarks/rl_step_speed.py --compile
-    measures it)."""
+    """`trainer.compile`: "auto" compiles on the devices where compiled blocks were measured faster than eager ones
+    (`benchmarks/rl_step_speed.py --compile on|off`; on a GPU the GPU check's `rl_step_05b` against
+    `rl_step_05b_eager`): none yet. On a GPU the eager block is a string of small kernels the host launches one by
+    one, so compiling is expected to pay there, but it has not run on one; on CPU it is not measured faster."""
     if setting not in ("auto", "on", "off"):
         raise ValueError(f"trainer.compile = {setting!r}: one of 'auto', 'on', 'off'")
-    return setting == "on" or (setting == "auto" and device.type == "cuda")
+    return setting == "on" or (setting == "auto" and device.type in MEASURED_FASTER_COMPILED)
 
 
 def apply_compile(model: Transformer) -> int:

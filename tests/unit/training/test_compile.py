@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.rl.packing import pack_row
+from pipelinerl_fsdp.training import parallelize
 from pipelinerl_fsdp.training.parallelize import apply_activation_checkpointing, apply_compile, resolve_compile
 
 # a tiny model: 2 blocks, so that the second reuses the first's graphs
@@ -21,8 +22,11 @@ ARGS = flavour_args("debug", vocab_size=64, num_hidden_layers=2, hidden_size=64,
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
-def test_compile_is_on_for_cuda_unless_set():
+def test_compile_is_on_only_where_set_or_measured_faster(monkeypatch):
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    # measured faster nowhere yet: "auto" compiles on no device
+    assert not resolve_compile("auto", cuda) and not resolve_compile("auto", cpu)
+    monkeypatch.setattr(parallelize, "MEASURED_FASTER_COMPILED", frozenset({"cuda"}))
     assert resolve_compile("auto", cuda) and not resolve_compile("auto", cpu)
     assert resolve_compile("on", cpu) and not resolve_compile("off", cuda)
     with pytest.raises(ValueError, match="trainer.compile"):
