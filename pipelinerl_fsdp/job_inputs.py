@@ -62,5 +62,5 @@ def build_job_inputs(cfg: Config, model_path: str | Path, world: World) -> JobIn
         stop_ids=stop_token_ids(model_path, tokenizer),
         prompt_len=prompt_len,
         engine_max_len=engine_max_len(cfg.inference, cfg.task, prompt_len),
-        weight_sync=weight_sync_layout(cfg.job, cfg.inference, world),
+        weight_sync=weight_sync_layout(cfg.job, cfg.inference, world, cfg.lora),
     )

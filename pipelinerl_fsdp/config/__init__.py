@@ -1,6 +1,6 @@
 """Typed job configuration, owned by its sections.
 
-- `job.py`, `training.py`, `inference.py`, `task.py`: the sections, each a dataclass with its keys and the
+- `job.py`, `training.py`, `inference.py`, `task.py`, `lora.py`: the sections, each a dataclass with its keys and the
   checks of their values (`check()`) next to them. A task, a loss and an engine extend their section with a
   class of their own, registered beside them (`task.name`, `loss.name`, `inference.engine` select it).
 - `schema.py`: `Config`, one field per TOML section.
@@ -22,6 +22,7 @@ from pipelinerl_fsdp.config.job import (
     TokenizerConfig,
     WorldConfig,
 )
+from pipelinerl_fsdp.config.lora import LORA_TARGETS, LoRAConfig
 from pipelinerl_fsdp.config.parse import (
     MOVED_KEYS,
     REPO_CONFIG_DIR,
@@ -45,6 +46,7 @@ from pipelinerl_fsdp.config.training import (
 )
 
 __all__ = [
+    "LORA_TARGETS",
     "MOVED_KEYS",
     "REPO_CONFIG_DIR",
     "CheckpointConfig",
@@ -53,6 +55,7 @@ __all__ = [
     "EvalConfig",
     "InferenceConfig",
     "JobConfig",
+    "LoRAConfig",
     "LossConfig",
     "MetricsConfig",
     "ModelConfig",

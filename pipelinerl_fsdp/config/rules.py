@@ -74,6 +74,22 @@ def check_rules(cfg: Config) -> None:
             f"rl.mode = 'conventional': checkpoint.interval = {cfg.checkpoint.interval} must be a "
             f"multiple of rl.sync_every = {rl.sync_every} (checkpoints between rounds)"
         )
+    if cfg.lora.enabled and cfg.job.stage == "warmstart":
+        raise ConfigError(
+            "lora.enabled = true trains adapters in the RL stage; the warm start (job.stage = 'warmstart') trains "
+            "the full model: turn [lora] off for it"
+        )
+    if cfg.lora.enabled and rl.mode == "colocated":
+        raise ConfigError(
+            "lora.enabled = true is not supported with rl.mode = 'colocated' (its single process copies the full "
+            "weights into its engine each step); use rl.mode = 'pipeline', 'async' or 'conventional'"
+        )
+    if cfg.lora.enabled and getattr(cfg.inference, "vllm_weight_load", None) == "reload":
+        # a reload reads every weight from the pushed tensors, and a push carries only adapters
+        raise ConfigError(
+            "lora.enabled = true needs inference.vllm_weight_load = 'auto', 'inplace' or 'unpacked': the engines "
+            "merge pushed adapters into their weights in place ('reload' rebuilds the model from a full push)"
+        )
     for key in ("model.path", "tokenizer.path") if cfg.job.stage != "plan" else ():  # a plan reads no weights
         sec, name = key.split(".")
         path = getattr(getattr(cfg, sec), name)

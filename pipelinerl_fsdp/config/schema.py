@@ -16,6 +16,7 @@ from pipelinerl_fsdp.config.job import (
     TokenizerConfig,
     WorldConfig,
 )
+from pipelinerl_fsdp.config.lora import LoRAConfig
 from pipelinerl_fsdp.config.task import TaskConfig
 from pipelinerl_fsdp.config.training import LossConfig, RLConfig, TrainerConfig, WarmstartConfig
 
@@ -29,6 +30,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     warmstart: WarmstartConfig = field(default_factory=WarmstartConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # replaced by the selected engine's own config class (an InferenceConfig subclass) when the config is loaded
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     rl: RLConfig = field(default_factory=RLConfig)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from pipelinerl_fsdp.config import InferenceConfig
+    from pipelinerl_fsdp.config import InferenceConfig, LoRAConfig
     from pipelinerl_fsdp.episodes import Episode
     from pipelinerl_fsdp.job.world import World
     from pipelinerl_fsdp.transport.weights import WeightReceiver
@@ -72,6 +72,9 @@ class EngineSettings:
     bucket_group_size: int
     # outside a job, on CPU: the cores of an engine in its own processes (vLLM's OpenMP threads; None: its choice)
     cores: str | None = None
+    # pushes carry these adapters (fp32), which the engine merges into the base weights it started with; None:
+    # pushes carry the full weights in `dtype`
+    lora: LoRAConfig | None = None
 
     @property
     def weight_src(self) -> int:

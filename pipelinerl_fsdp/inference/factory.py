@@ -52,6 +52,7 @@ def build_engine(
         seed=job.seed * 1000 + world.rank,
         bucket_bytes=world_cfg.weight_bucket_mb * 1024**2,
         bucket_group_size=inputs.weight_sync.bucket_group_size,
+        lora=inputs.weight_sync.lora,
     )
     return engine_class(kind).create(settings)
 

@@ -82,7 +82,8 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
 def _check_names(folder: str | Path, model: Transformer, stored: set[str]) -> set[str]:
     """The parameter names to load (the tied head is the embedding); a mismatch with the files is an error."""
     tied = model.args.tie_word_embeddings
-    expected = {k for k in model.state_dict() if not (tied and k == "lm_head.weight")}
+    # LoRA adapters (models/lora.py) are not in an HF folder: they start from their own initial values
+    expected = {k for k in model.state_dict() if not (tied and k == "lm_head.weight") and ".lora_" not in k}
     if tied:
         stored = stored - {"lm_head.weight"}
     missing, unexpected = expected - stored, stored - expected

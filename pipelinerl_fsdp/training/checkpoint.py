@@ -9,6 +9,7 @@ resuming scans the folders)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -19,11 +20,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipelinerl_fsdp.checkpoint_layout import read_meta, step_dir
 from pipelinerl_fsdp.runtime.faults import maybe_fail
 from pipelinerl_fsdp.training.policy import Policy
+
+
+def state_options(model: torch.nn.Module) -> StateDictOptions:
+    """What a checkpoint holds of the model: the parameters that train. Under LoRA that is the adapters (and the
+    optimizer's state of them), a few MB; the frozen base is re-read from `model.path` on resume."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
 
 
 def save_checkpoint(
@@ -43,7 +51,7 @@ def save_checkpoint(
     if is_main and path.exists():  # left by an attempt that died while saving this step: start clean
         shutil.rmtree(path)
     dist.barrier(group=group)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=state_options(model))
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), process_group=group)
     except (OSError, CheckpointException) as e:  # a full disk, a quota: nothing was deleted yet
@@ -59,6 +67,8 @@ def save_checkpoint(
             "step": step,
             "scheduler": scheduler.state_dict(),
             "torch_rng": torch.get_rng_state().tolist(),
+            # the adapters' shape and scaling (None: full weights): a resume under another [lora] is refused
+            "lora": dataclasses.asdict(lora) if (lora := getattr(model, "lora", None)) is not None else None,
             **meta,
             "files": {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()},
         }
@@ -88,11 +98,20 @@ def load_checkpoint(
     group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG in place (collective); returns the meta dict."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    meta = read_meta(path)
+    saved = meta.get("lora")
+    trained = getattr(model, "lora", None)
+    now = dataclasses.asdict(trained) if trained is not None else None
+    if saved != now:  # DCP would fail on the keys, or worse load adapters of another shape's name
+        raise ValueError(
+            f"checkpoint {path} was saved with [lora] {saved or 'off'}, this job has [lora] {now or 'off'}: "
+            "resume with the section it was saved with"
+        )
+    options = state_options(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path), process_group=group)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    meta = read_meta(path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(meta["scheduler"])
     torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
     return meta

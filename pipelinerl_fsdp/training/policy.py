@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
-from pipelinerl_fsdp.config import OptimizerConfig, TrainerConfig
+from pipelinerl_fsdp.config import LoRAConfig, OptimizerConfig, TrainerConfig
 from pipelinerl_fsdp.job.world import World
 from pipelinerl_fsdp.models import Transformer
 from pipelinerl_fsdp.models.hf_io import load_shards_into, read_model_args
+from pipelinerl_fsdp.models.lora import apply_lora, init_adapters
 from pipelinerl_fsdp.training.optim import build_optimizer
 from pipelinerl_fsdp.training.parallelize import (
     DTYPES,
@@ -61,19 +62,39 @@ def shard(model: Transformer, world: World, trainer: TrainerConfig) -> Transform
     return _parallelize(model.to(world.device), world, trainer)
 
 
-def load_sharded(folder: str | Path, world: World, trainer: TrainerConfig) -> Transformer:
+def frozen_base_dtype(lora: LoRAConfig | None, param_dtype: torch.dtype) -> torch.dtype:
+    """How the base weights are stored on the trainer: fp32 master weights when they train; frozen under LoRA, in
+    the dtype they compute in (bf16 on a GPU: 2 bytes a parameter instead of 4, and no cast per gather). The
+    adapters stay fp32 either way: FSDP2 checks one dtype only across a unit's trainable parameters."""
+    return param_dtype if lora is not None and lora.enabled else torch.float32
+
+
+def load_sharded(
+    folder: str | Path, world: World, trainer: TrainerConfig, lora: LoRAConfig | None = None, seed: int = 0
+) -> Transformer:
     """The model of an HF folder, built on the meta device, sharded, then filled shard by shard from the files:
     each rank allocates and reads only its own shard of every parameter (a 7B model never sits whole in any
-    rank's memory, host or GPU)."""
+    rank's memory, host or GPU). With `lora` enabled the targeted linears get adapters (PEFT's initial values,
+    seeded by `seed`) and everything else is frozen, stored in `frozen_base_dtype`."""
     with torch.device("meta"):
         model = Transformer(read_model_args(folder))
+    if lora is not None and lora.enabled:
+        apply_lora(model, lora)
+        base = frozen_base_dtype(lora, resolve_param_dtype(trainer.param_dtype, world.device))
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(base)
     _parallelize(model, world, trainer)
     model.to_empty(device=world.device)
     load_shards_into(model, folder)
+    if lora is not None and lora.enabled:
+        init_adapters(model, seed)
     return model
 
 
 def build_policy(model: Transformer, opt: OptimizerConfig, total_steps: int) -> Policy:
-    """AdamW + schedule over `total_steps` optimizer steps for a model sharded by `shard` or `load_sharded`."""
-    optimizer, scheduler = build_optimizer(model.parameters(), opt, total_steps)
+    """AdamW + schedule over `total_steps` optimizer steps for a model sharded by `shard` or `load_sharded`: over
+    the parameters that train (all of them, or the adapters under LoRA)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer, scheduler = build_optimizer(trained, opt, total_steps)
     return Policy(model, optimizer, scheduler, opt.grad_clip)

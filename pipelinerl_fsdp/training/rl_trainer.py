@@ -26,6 +26,7 @@ from pipelinerl_fsdp.config import (
 )
 from pipelinerl_fsdp.job.world import World, waiting_for
 from pipelinerl_fsdp.job_inputs import JobInputs
+from pipelinerl_fsdp.models.lora import adapter_parameters
 from pipelinerl_fsdp.records import total
 from pipelinerl_fsdp.rl.batching import split_balanced
 from pipelinerl_fsdp.rl.loss import LossStats
@@ -354,11 +355,12 @@ def wave_groups(rl: RLConfig) -> int:
 def run_trainer(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int) -> None:
     """This trainer rank's collaborators (policy, step, weight pusher, collector and rollout receiver, metrics,
     checkpoints, exports), the restored checkpoint if there is one, and the loop over them."""
-    rl, device, n_engines = cfg.rl, world.device, len(world.inference_ranks)
-    model_path, task = inputs.model_path, inputs.task
-    policy = build_policy(load_sharded(model_path, world, cfg.trainer), cfg.trainer.optimizer, rl.max_steps)
+    rl, device, n_engines, task = cfg.rl, world.device, len(world.inference_ranks), inputs.task
+    model_path = inputs.model_path
+    model = load_sharded(model_path, world, cfg.trainer, cfg.lora, cfg.job.seed)  # adapters on it under LoRA
+    policy = build_policy(model, cfg.trainer.optimizer, rl.max_steps)
     ref_model = None
-    if rl.kl_coef > 0:  # the frozen initial policy, sharded like the trained one
+    if rl.kl_coef > 0:  # the frozen initial policy (the base, under LoRA), sharded like the trained one
         ref_model = load_sharded(model_path, world, cfg.trainer).requires_grad_(False)
     step = RLStep(
         policy,
@@ -388,19 +390,19 @@ def run_trainer(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int)
         world.weight_group,
         world.trainer_ranks[0],
         world.is_main,
-        sync.dtype,
+        sync.push_dtype,
         sync.bucket_device(device),
         bucket_bytes,
         bucket_group,
         cfg.world.timeout_s,
         stall_s=push_stall_s(cfg.rl.mode, cfg.world.timeout_s),
+        params=adapter_parameters(policy.model) if sync.lora is not None else None,
     )
     collector: Collector | None = None
     receiver: RolloutReceiver | None = None
     if world.is_main:
-        # The receive queue holds what the trainer takes at once (a step's groups, or one part of them with
-        # rl.waves): with the engines' small send queues this bounds how far generation can run ahead of
-        # training (and so the lag).
+        # The receive queue holds what the trainer takes at once (a step's groups, or a part with rl.waves): with
+        # the engines' small send queues this bounds how far generation runs ahead of training (the lag).
         receiver = RolloutReceiver(world.rollout_group, n_engines, wave_groups(rl))
         collector = Collector(receiver, rl, n_engines)
     # held-out evaluation runs on the engines; their reports are joined here

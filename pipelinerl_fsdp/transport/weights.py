@@ -158,12 +158,14 @@ class WeightSender:
         bucket_group: StoreGroup | None = None,
         timeout_s: float = 600,
         stall_s: float | None = None,
+        params: list[tuple[str, torch.nn.Parameter]] | None = None,
     ) -> None:
-        """`device`: where the broadcast buffers live (CPU for gloo, the rank's GPU for NCCL).
+        """`params`: the (name, parameter) pairs pushed in the receivers' order (None: `model.named_parameters()`).
+        `device`: where the broadcast buffers live (CPU for gloo, the rank's GPU for NCCL).
         `bucket_group`: a store-built group for the buckets (vLLM workers); None: the buckets follow the header.
         `timeout_s`: how long a push may take to complete before the job fails, naming it; `stall_s`: sooner,
         naming the engines left behind (`transport/stalls.py`; None: never)."""
-        self.params = list(model.named_parameters())
+        self.params = list(model.named_parameters()) if params is None else list(params)
         self.timeout_s, self.stall_s = timeout_s, stall_s
         self.group, self.src, self.is_src, self.dtype, self.device = group, src, is_src, dtype, device
         self.bucket_group = bucket_group
@@ -197,7 +199,6 @@ class WeightSender:
         into a send buffer and broadcast asynchronously, so the next bucket's gather overlaps this broadcast; at
         most IN_FLIGHT buckets are in flight. The header goes out only once the first bucket is gathered, so
         engines pause for the transfer, not for the trainers' all-gathers of that bucket.
-
         When the job is stopping (stopping.py) the source sends nothing more, but keeps gathering in step with
         the other trainer ranks, and returns None: the engines are gone or going."""
         self.finish()  # the previous push's buffers are reused below
