@@ -3,8 +3,7 @@
 The first trainer rank is the collector: its receiver thread takes finished groups from every inference rank;
 each step the collector assembles `rl.batch_size` samples of whole, fresh groups (`collector.py`), splits them
 across the trainer ranks by token count, and every trainer rank trains on its share in lockstep. After the
-optimizer step all trainer ranks gather the weights and the first one broadcasts them to the engines.
-"""
+optimizer step all trainer ranks gather the weights (LoRA: the adapters) and the first one broadcasts them."""
 
 from __future__ import annotations
 
@@ -253,6 +252,7 @@ class RLTrainer:
                 "grad_norm": grad_norm,
                 "lr": lr,
                 "broadcast_mb_per_s": push.mb_per_s if push else float("nan"),
+                "push_mb": push.bytes / 1e6 if push else float("nan"),  # what one update moves (LoRA: adapters)
                 "push_s": self._push_s,
                 "queue_size": c.queued_samples(),
                 "dropped_stale": c.counts.dropped_samples,

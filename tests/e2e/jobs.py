@@ -31,6 +31,7 @@ METRIC_KEYS = {
     "inference_busy_frac",
     "update_pause_ms",
     "broadcast_mb_per_s",
+    "push_mb",
     "queue_size",
     "dropped_stale",
     "dropped_stale_groups",

@@ -61,11 +61,14 @@ def test_resume_without_checkpoint_is_an_error(warm_folder, tmp_path):
     assert "checkpoint.resume = 'required' but" in r.stderr
 
 
-def test_resumed_trainer_takes_the_same_next_step(tmp_path):
+@pytest.mark.parametrize("variant", ["full", "lora"])
+def test_resumed_trainer_takes_the_same_next_step(tmp_path, variant):
     """Model, optimizer and schedule restored from DCP: the next step's loss and resulting weights are identical
-    to those of the uninterrupted trainer (on the same batch; pipeline data itself is timing-dependent)."""
+    to those of the uninterrupted trainer (on the same batch; pipeline data itself is timing-dependent). `lora`:
+    the adapters on a bf16 frozen base, the checkpoint holding only the adapters and their optimizer state."""
     from conftest import torchrun_script
 
-    r = torchrun_script(2, ROOT / "tests" / "dist" / "resume_exact.py", str(tmp_path), timeout=300)
+    args = [str(tmp_path)] + (["lora"] if variant == "lora" else [])
+    r = torchrun_script(2, ROOT / "tests" / "dist" / "resume_exact.py", *args, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    assert "RESUME_EXACT_OK" in r.stdout
+    assert "RESUME_EXACT_OK" in r.stdout and f"lora={variant == 'lora'}" in r.stdout

@@ -175,3 +175,30 @@ def test_math_configs_load_once_paths_are_set(tmp_path, name):
     assert cfg.task.name == "math" and cfg.rl.batch_size % cfg.rl.attempts == 0
     if name == "math":  # the paper's split and batch
         assert (cfg.world.inference_ranks, cfg.rl.batch_size, cfg.loss.is_clip, cfg.rl.kl_coef) == (48, 4096, 5.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (['--lora.target_modules=["q_proj","qkv_proj"]'], r"lora.target_modules = .*unknown: \['qkv_proj'\]"),
+        (["--lora.target_modules=[]"], r"lora.target_modules = \[\] must be a non-empty list"),
+        (['--lora.target_modules=["q_proj","q_proj"]'], r"lora.target_modules .* without repeats"),
+        (["--lora.rank=0"], r"lora.rank = 0 must be >= 1"),
+        (["--job.stage=warmstart"], r"lora.enabled = true trains adapters in the RL stage"),
+        (["--rl.mode=colocated"], r"lora.enabled = true is not supported with rl.mode = 'colocated'"),
+        (
+            ["--inference.engine=vllm", "--inference.vllm_weight_load=reload"],
+            r"lora.enabled = true needs inference.vllm_weight_load",
+        ),
+    ],
+)
+def test_lora_values_and_rules_name_their_keys(args, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(["--lora.enabled=true", *args])
+
+
+def test_lora_defaults_target_every_linear_and_scale_alpha_over_rank():
+    cfg = load_config(["--lora.enabled=true", "--lora.rank=8"])
+    assert cfg.lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert cfg.lora.scaling == 32.0 / 8
+    assert not load_config([]).lora.enabled
