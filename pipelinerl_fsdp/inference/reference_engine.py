@@ -5,7 +5,8 @@ Requests wait until a slot is free, are prefilled (several packed in one forward
 in the lowest slots (a leaving request's slot takes the highest running one), so that a decode step reads the
 cache as a view rather than gathering it. Every sampled token
 records `self.version`, the policy version of the weights that produced it. Between two steps the inference loop
-may load new weights (`load_update`, which receives the broadcast straight into the parameters): in-progress
+may load new weights (`load_update`, which receives the broadcast straight into the parameters; under `[lora]` the
+broadcast carries adapters, merged into the weights from the starting ones, inference/lora_merge.py): in-progress
 requests keep their KV cache (computed by older weights) unless it is older than `inference.kv_max_age` versions,
 in which case `recompute_kv()` re-prefills them under the new weights. It runs in the inference rank's own process,
 on its device; tests and machines without vLLM use it.
@@ -30,8 +31,10 @@ import torch
 
 from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request, stale_kv
 from pipelinerl_fsdp.inference.kv_cache import KVCache
+from pipelinerl_fsdp.inference.lora_merge import AdapterMerge
 from pipelinerl_fsdp.inference.sampling import sample_next
-from pipelinerl_fsdp.models import Transformer, load_hf_model
+from pipelinerl_fsdp.models import Transformer, load_hf_model, read_model_args
+from pipelinerl_fsdp.models.lora import adapted_weight_name, adapter_layout
 from pipelinerl_fsdp.transport.weights import WeightReceiver
 
 
@@ -58,6 +61,13 @@ class ReferenceEngine(Engine):
         assert s.world is not None
         engine = cls.open(s)
         params = engine.params
+        if s.lora is not None:  # the pushes carry adapters (fp32), merged into the weights at each load
+            layout = adapter_layout(read_model_args(s.model_path), s.lora)
+            receiver = WeightReceiver(
+                layout, s.world.weight_group, s.weight_src, torch.float32, s.device, s.bucket_bytes
+            )
+            engine.merge_adapters([n for n, _ in layout], s.lora.scaling)
+            return engine, receiver
         receiver = WeightReceiver(
             [(n, p.shape) for n, p in params.items()],
             s.world.weight_group,
@@ -98,10 +108,18 @@ class ReferenceEngine(Engine):
         self.max_parked_tokens = max_num_seqs * max_len if max_parked_tokens is None else max_parked_tokens
         self.parked_dropped = 0  # kept caches dropped to stay within max_parked_tokens
         self._staging: dict[str, torch.Tensor] | None = None  # async mode: a received, not yet loaded update
+        self._merge: AdapterMerge | None = None  # `[lora]`: updates carry adapters (`merge_adapters`)
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
+
+    def merge_adapters(self, adapter_names: list[str], scaling: float) -> None:
+        """From now on updates carry these adapter factors (`[lora]`): keep W0, the current weights of the linears
+        they adapt, and load each update as W0 + scaling B A (inference/lora_merge.py)."""
+        params = self.params
+        names = [adapted_weight_name(n) for n in adapter_names if ".lora_A." in n]
+        self._merge = AdapterMerge({n: params[n].detach().clone() for n in names}, scaling, adapter_names)
 
     def add(self, request: Request) -> None:
         if len(request.prompt_ids) + request.max_tokens > self.max_len:
@@ -263,7 +281,11 @@ class ReferenceEngine(Engine):
         self.version = version
 
     def load_update(self, receiver: WeightReceiver, version: int, kv_max_age: int) -> int:
-        receiver.receive_buckets()  # into the bound parameters: the weights change in place
+        if self._merge is not None:
+            merge = self._merge
+            receiver.receive_buckets(load=lambda views: self.load_weights(list(merge(views))))
+        else:
+            receiver.receive_buckets()  # into the bound parameters: the weights change in place
         self.set_version(version)
         running = list(self.running.values())
         stale = [r for r, s in zip(running, stale_kv([r.kv_version for r in running], version, kv_max_age)) if s]
@@ -278,6 +300,11 @@ class ReferenceEngine(Engine):
         return len(stale) + len(gone)
 
     def stage_update(self, receiver: WeightReceiver) -> None:
+        if self._staging is None and self._merge is not None:  # the adapters, in the stream's layout and dtype
+            self._staging = {
+                n: torch.empty(shape, dtype=receiver.dtype, device=receiver.device)
+                for n, shape in receiver.layout.names_and_shapes
+            }
         if self._staging is None:
             self._staging = {n: torch.empty_like(p) for n, p in self.params.items()}
         staging = self._staging
@@ -290,7 +317,8 @@ class ReferenceEngine(Engine):
 
     def apply_staged(self, version: int) -> None:
         assert self._staging is not None, "apply_staged without a staged update"
-        self.load_weights(list(self._staging.items()))
+        staged = list(self._staging.items())  # in the stream's order
+        self.load_weights(list(self._merge(staged)) if self._merge is not None else staged)
         self.set_version(version)
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ from pipelinerl_fsdp.inference.vllm_options import (
 )
 from pipelinerl_fsdp.inference.vllm_process import engine_env, quiet_vllm_logs, without_torchrun_env
 from pipelinerl_fsdp.models import Transformer, read_model_args
+from pipelinerl_fsdp.models.lora import adapter_layout
 from pipelinerl_fsdp.transport.store_group import ENGINE_BUCKET_GROUP, store_address, store_prefix
 from pipelinerl_fsdp.transport.weights import WeightReceiver
 
@@ -119,13 +120,19 @@ class VLLMEngine(Engine):
         assert world is not None
         inf = s.inference
         assert isinstance(inf, VLLMInferenceConfig), "the config loader selects the vLLM section for a vLLM engine"
-        with torch.device("meta"):  # names and shapes of the broadcast, in the trainer's order
-            layout = [(n, p.shape) for n, p in Transformer(read_model_args(s.model_path)).named_parameters()]
         dtype = str(s.dtype).removeprefix("torch.")
+        lora = None
+        if s.lora is not None:  # adapters travel (fp32); the workers merge them into W0 (inference/lora_merge.py)
+            layout = adapter_layout(read_model_args(s.model_path), s.lora)
+            lora = {"scaling": s.lora.scaling, "model_path": str(s.model_path), "dtype": dtype}
+            dtype = "float32"
+        else:
+            with torch.device("meta"):  # names and shapes of the broadcast, in the trainer's order
+                layout = [(n, p.shape) for n, p in Transformer(read_model_args(s.model_path)).named_parameters()]
         engine = cls.open(s)
         # header only on this process; the engine's workers join the bucket group with the first trainer rank
         receiver = WeightReceiver(
-            layout, world.weight_group, s.weight_src, s.dtype, torch.device("cpu"), s.bucket_bytes
+            layout, world.weight_group, s.weight_src, getattr(torch, dtype), torch.device("cpu"), s.bucket_bytes
         )
         tp = inf.tensor_parallel_size
         engine.join_weight_group(
@@ -137,6 +144,7 @@ class VLLMEngine(Engine):
             [(n, list(sh)) for n, sh in layout],
             dtype,
             s.bucket_bytes,
+            lora=lora,
         )
         return engine, receiver
 
@@ -314,8 +322,10 @@ class VLLMEngine(Engine):
         dtype: str,
         bucket_bytes: int,
         group_name: str = ENGINE_BUCKET_GROUP,
+        lora: dict[str, Any] | None = None,
     ) -> None:
-        """Have every worker of this engine join the bucket group (blocks until all members have joined)."""
+        """Have every worker of this engine join the bucket group (blocks until all members have joined); `lora`:
+        the updates carry adapters (`WeightUpdateExtension.join_weight_group`)."""
         self._call(
             self.llm.collective_rpc(
                 "join_weight_group",
@@ -332,6 +342,7 @@ class VLLMEngine(Engine):
                     group_name,
                     self.weight_load,
                     store_prefix(),  # the workers do not see torchrun's environment (without_torchrun_env)
+                    lora,
                 ),
             ),
             "joining the weight-update group",

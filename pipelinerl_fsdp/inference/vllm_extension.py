@@ -12,10 +12,12 @@ import signal
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipelinerl_fsdp.inference.lora_merge import VLLM_PACKED, AdapterMerge, fused_module_name, loaded_weights, read_base
 from pipelinerl_fsdp.inference.vllm_load import LOADS, InPlaceLoader, WeightAddresses, graphs_captured
 from pipelinerl_fsdp.runtime.faults import maybe_fail
 from pipelinerl_fsdp.runtime.processes import parent_of
@@ -88,12 +90,24 @@ class WeightUpdateExtension:
         group_name: str = ENGINE_BUCKET_GROUP,
         load: str = "reload",
         prefix: str | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         """Join the bucket group as `base_rank + this worker's tensor-parallel rank`; allocate receive buffers;
-        load updates the `load` way (`vllm_load.LOADS`); `prefix`: the job attempt's store prefix."""
+        load updates the `load` way (`vllm_load.LOADS`); `prefix`: the job attempt's store prefix. `lora`
+        (`scaling`, `model_path`, `dtype`): the updates carry the adapters `names_and_shapes` names, merged here
+        into W0, read now from the engine's own HF folder (inference/lora_merge.py); None: full weights."""
         output_token_counts(self.model_runner)  # a runner whose state we cannot read fails here, at start-up
-        self.set_weight_load(load)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._pl_merge, self._pl_merge_layers = None, None
+        if lora is not None:
+            model = self.model_runner.get_model()
+            packed = getattr(type(model), "packed_modules_mapping", None) or VLLM_PACKED
+            names = [n for n, _ in names_and_shapes]
+            writes = loaded_weights(names, packed)
+            base = read_base(lora["model_path"], writes, getattr(torch, lora["dtype"]), device)
+            self._pl_merge = AdapterMerge(base, float(lora["scaling"]), names, packed)
+            self._pl_merge_layers = {fused_module_name(w, packed) for w in writes}
+        self.set_weight_load(load)
         self._pl_layout = BucketLayout(
             [(n, torch.Size(s)) for n, s in names_and_shapes], getattr(torch, dtype), bucket_bytes
         )
@@ -123,12 +137,17 @@ class WeightUpdateExtension:
         """How the next updates are loaded: one of `vllm_load.LOADS` (see that module)."""
         if load not in LOADS:
             raise ValueError(f"inference.vllm_weight_load: {load!r} is not one of {LOADS}")
+        merge_layers = getattr(self, "_pl_merge_layers", None)
+        if load == "reload" and merge_layers is not None:
+            raise ValueError("inference.vllm_weight_load = 'reload' cannot load merged LoRA updates: use 'inplace'")
         previous: InPlaceLoader | None = getattr(self, "_pl_inplace", None)
         if previous is not None:
             previous.release()
         self._pl_load = load
         self._pl_inplace = (
-            None if load == "reload" else InPlaceLoader(self.model_runner.get_model(), unpacked=load == "unpacked")
+            None
+            if load == "reload"
+            else InPlaceLoader(self.model_runner.get_model(), unpacked=load == "unpacked", layers=merge_layers)
         )
 
     def watch_inference_rank(self, rank_pid: int, rank: int = -1, period_s: float = 1.0) -> None:
@@ -200,6 +219,9 @@ class WeightUpdateExtension:
         counts = output_token_counts(self.model_runner)
         t0 = time.perf_counter()
         self._pl_wait_s = 0.0  # the streamed iterator adds its waits as the load consumes it
+        merge = getattr(self, "_pl_merge", None)
+        if merge is not None:  # adapters in, merged weights out (W0 + s B A), as the stream is consumed
+            weights = merge(weights)
         if self._pl_load == "reload":
             # checkpoint format: HF names and shapes; vLLM fuses q/k/v and gate/up and repacks CPU weights itself
             self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)

@@ -27,7 +27,7 @@ the graphs replaying the old weights, silently. `WeightAddresses` checks it afte
 from __future__ import annotations
 
 import typing
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 
@@ -90,13 +90,27 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 class InPlaceLoader:
-    """Loads updates with the model's `load_weights` ("inplace", "unpacked" above)."""
+    """Loads updates with the model's `load_weights` ("inplace", "unpacked" above).
 
-    def __init__(self, model: torch.nn.Module, unpacked: bool) -> None:
+    `layers`: the modules every update loads, by the served model's names (fused: `...qkv_proj`), when an update
+    carries only some linears (a LoRA push: the targeted ones, inference/lora_merge.py); None: every linear. Only
+    those CPU linears get their plain weight back, are checked as loaded and are repacked: the others keep the
+    kernels vLLM built at start-up, over the weights they still hold (a plain weight given back to a linear that
+    no update fills would be uninitialised memory)."""
+
+    def __init__(self, model: torch.nn.Module, unpacked: bool, layers: Collection[str] | None = None) -> None:
         self.model = model
         self.unpacked = unpacked
+        if layers is not None:
+            unknown = sorted(set(layers) - {name for name, _ in model.named_modules()})
+            if unknown:
+                raise ValueError(f"the updates would load {unknown[:3]}: no such module in the served model")
         # CPU layers whose linear runs through a kernel handle (`cpu_linear`, set by vLLM's CPU GEMM dispatch)
-        self.cpu_layers = {name: m for name, m in model.named_modules() if hasattr(m, "cpu_linear")}
+        self.cpu_layers = {
+            name: m
+            for name, m in model.named_modules()
+            if hasattr(m, "cpu_linear") and (layers is None or name in layers)
+        }
         self._ready = False  # plain weights restored (at the first load)
         self._restored: list[torch.nn.Module] = []  # the layers that got theirs back
 
@@ -134,7 +148,7 @@ class InPlaceLoader:
         # by storage, not name: a tied LM head shares the embedding's table and is loaded under the embedding's name
         loaded_ptrs = {self.model.get_parameter(n).data_ptr() for n in loaded}
         missing = sorted(n for n, layer in self.cpu_layers.items() if layer.weight.data_ptr() not in loaded_ptrs)
-        if missing:  # their plain weight would be garbage (first load) or stale
+        if missing:  # their plain weight would be garbage (first load) or stale (only `layers` are checked)
             raise RuntimeError(f"the update left {len(missing)} linear weights unloaded, e.g. {missing[:3]}")
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 

@@ -79,6 +79,20 @@ def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def read_tensors(folder: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """Only these tensors of an HF folder, on CPU, in the stored dtype (the other shards' contents are not read);
+    a name the folder lacks is an error naming it."""
+    wanted, out = set(names), {}
+    for path in _shard_files(Path(folder)):
+        with open_shard(path) as f:
+            for key in wanted.intersection(f.keys()):
+                out[key] = f.get_tensor(key)
+    missing = sorted(wanted - out.keys())
+    if missing:
+        raise KeyError(f"{folder}: no tensor {missing[:3]} ({len(missing)} missing)")
+    return out
+
+
 def _check_names(folder: str | Path, model: Transformer, stored: set[str]) -> set[str]:
     """The parameter names to load (the tied head is the embedding); a mismatch with the files is an error."""
     tied = model.args.tie_word_embeddings

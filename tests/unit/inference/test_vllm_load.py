@@ -169,3 +169,21 @@ def test_vllms_generic_loader_copies_into_the_parameters():
     addresses.check(1)
     for name, t in new.items():
         assert torch.equal(m.get_parameter(name), t)
+
+
+def test_a_partial_update_loads_its_linears_and_leaves_the_others_as_vllm_built_them():
+    """A LoRA push loads only the targeted linears (`layers`): only those get a plain weight back, are checked as
+    loaded and compute with the new values; a linear outside them keeps the kernel vLLM built over its weight
+    (given a plain weight back, it would compute with uninitialised memory: no update fills it)."""
+    m = Model()
+    m.b.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)  # dropped by vLLM once packed
+    kernel = m.b.cpu_linear
+    new_a, x = torch.randn(4, 4), torch.randn(2, 4)
+    InPlaceLoader(m, unpacked=True, layers={"a", "head"}).load([("a.weight", new_a)])
+    torch.testing.assert_close(m.a(x), x @ new_a.T)
+    torch.testing.assert_close(m.head(x), x @ new_a.T)
+    assert m.b.cpu_linear is kernel and m.b.weight.numel() == 0  # untouched: not restored, not switched
+    with pytest.raises(RuntimeError, match=r"left 1 linear weights unloaded.*'b'"):  # named, yet not loaded
+        InPlaceLoader(Model(), unpacked=True, layers={"a", "b"}).load([("a.weight", new_a)])
+    with pytest.raises(ValueError, match=r"would load \['c'\]: no such module"):
+        InPlaceLoader(Model(), unpacked=True, layers={"a", "c"})

@@ -1,0 +1,200 @@
+"""LoRA on the engine side (inference/lora_merge.py): the merge of pushed adapters into W0, and a reference engine
+after an adapter push against one opened on the merged weights."""
+
+from __future__ import annotations
+
+import copy
+import types
+from collections import deque
+
+import pytest
+import torch
+
+from pipelinerl_fsdp.config import InferenceConfig, LoRAConfig
+from pipelinerl_fsdp.inference.engine import EngineSettings, Request
+from pipelinerl_fsdp.inference.lora_merge import (
+    VLLM_PACKED,
+    AdapterMerge,
+    fused_module_name,
+    loaded_weights,
+    read_base,
+)
+from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
+from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
+from pipelinerl_fsdp.models.lora import adapter_layout, adapter_parameters, apply_lora, merge_adapters, merged_weight
+from pipelinerl_fsdp.transport import weights
+from pipelinerl_fsdp.transport.weights import WeightSender
+
+ARGS = flavour_args("debug", vocab_size=40)
+L0 = "model.layers.0"
+
+
+def adapters(cfg: LoRAConfig, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Random non-zero factors (B != 0: a zero B merges to W0 and proves nothing) in the push layout."""
+    g = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(shape, generator=g) * 0.1) for n, shape in adapter_layout(ARGS, cfg)]
+
+
+def base_weights(names: list[str], seed: int = 1) -> dict[str, torch.Tensor]:
+    state = build_model(ARGS, seed=seed).state_dict()
+    return {n: state[n].clone() for n in names}
+
+
+def test_each_weight_is_bitwise_merged_weight_and_never_accumulates():
+    cfg = LoRAConfig(enabled=True, rank=4, alpha=8.0)
+    names = [n for n, _ in adapter_layout(ARGS, cfg)]
+    base = base_weights(loaded_weights(names, {}))
+    kept = {n: t.clone() for n, t in base.items()}
+    merge = AdapterMerge(base, cfg.scaling, names)
+    for seed in (1, 2):  # the second push merges from W0, not from the first push's weights
+        pushed = dict(adapters(cfg, seed))
+        out = dict(merge(list(pushed.items())))
+        assert sorted(out) == sorted(base)  # unfused: exactly the targeted weights
+        for w, t in out.items():
+            a, b = pushed[w.replace(".weight", ".lora_A.weight")], pushed[w.replace(".weight", ".lora_B.weight")]
+            assert torch.equal(t, merged_weight(kept[w], a, b, cfg.scaling))
+            assert not torch.equal(t, kept[w])
+    assert all(torch.equal(base[n], kept[n]) for n in base)  # W0 untouched
+
+
+def test_a_partly_targeted_fused_group_also_loads_its_other_members_w0():
+    """vLLM loads q/k/v into one `qkv_proj` and gate/up into `gate_up_proj`: targets q, v and gate also write k's
+    and up's W0, so an in-place load into fresh fused storage leaves no slice unwritten."""
+    cfg = LoRAConfig(enabled=True, rank=2, target_modules=["q_proj", "v_proj", "gate_proj"])
+    names = [n for n, _ in adapter_layout(ARGS, cfg)]
+    writes = loaded_weights(names, VLLM_PACKED)
+    layer0 = [w.removeprefix(L0 + ".") for w in writes if w.startswith(L0 + ".")]
+    assert layer0 == ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                      "mlp.gate_proj.weight", "mlp.up_proj.weight"]  # fmt: skip
+    assert {fused_module_name(w, VLLM_PACKED) for w in writes if w.startswith(L0 + ".")} == {
+        f"{L0}.self_attn.qkv_proj",
+        f"{L0}.mlp.gate_up_proj",
+    }
+    assert loaded_weights(names, {}) == [adapter.replace(".lora_A", "") for adapter in names if ".lora_A." in adapter]
+    base = base_weights(writes)
+    out = list(AdapterMerge(base, cfg.scaling, names, VLLM_PACKED)(adapters(cfg, 3)))
+    assert [n for n, _ in out] == writes  # each once, k after q (its group's first member), up after gate
+    got = dict(out)
+    for sibling in ("self_attn.k_proj.weight", "mlp.up_proj.weight"):
+        assert torch.equal(got[f"{L0}.{sibling}"], base[f"{L0}.{sibling}"])
+    assert not torch.equal(got[f"{L0}.self_attn.v_proj.weight"], base[f"{L0}.self_attn.v_proj.weight"])
+    with pytest.raises(ValueError, match="no base weight for"):
+        AdapterMerge({n: t for n, t in base.items() if "k_proj" not in n}, cfg.scaling, names, VLLM_PACKED)
+
+
+def test_a_stream_out_of_layout_order_is_refused():
+    cfg = LoRAConfig(enabled=True, rank=2, target_modules=["q_proj"])
+    names = [n for n, _ in adapter_layout(ARGS, cfg)]
+    merge = AdapterMerge(base_weights(loaded_weights(names, {})), cfg.scaling, names)
+    pairs = adapters(cfg, 0)
+    with pytest.raises(ValueError, match="does not follow its lora_A"):
+        list(merge([pairs[1], pairs[0]]))
+    with pytest.raises(ValueError, match="ends the update without its lora_B"):
+        list(merge(pairs[:1]))
+
+
+def test_w0_is_read_from_the_engines_folder_in_its_dtype(tmp_path):
+    state = build_model(ARGS, seed=1).state_dict()
+    save_hf_folder(tmp_path, ARGS, state)
+    name = f"{L0}.mlp.up_proj.weight"
+    got = read_base(tmp_path, [name], torch.bfloat16, torch.device("cpu"))
+    assert list(got) == [name] and torch.equal(got[name], state[name].to(torch.bfloat16))
+    with pytest.raises(KeyError, match="no tensor"):
+        read_base(tmp_path, ["model.layers.9.mlp.up_proj.weight"], torch.float32, torch.device("cpu"))
+
+
+class Wire:
+    """The weight group in one process: the sender's bucket broadcasts are kept in order and the receiver's
+    broadcasts take them (the 3-number header travels nowhere: the test drives the engine's update calls)."""
+
+    def __init__(self) -> None:
+        self.buckets: deque[torch.Tensor] = deque()
+
+    class Done:
+        def wait(self) -> bool:
+            return True
+
+        def is_completed(self) -> bool:
+            return True
+
+        def get_future(self) -> types.SimpleNamespace:
+            return types.SimpleNamespace(add_done_callback=lambda fn: fn(None))
+
+    def broadcast(self, flat: torch.Tensor) -> Done:  # the sender's side (a store-built bucket group)
+        self.buckets.append(flat.clone())
+        return Wire.Done()
+
+    def receive(self, tensor: torch.Tensor, src: int, group: object = None, async_op: bool = False) -> Done:
+        if tensor.dtype != torch.long:  # a bucket (the header is int64)
+            tensor.copy_(self.buckets.popleft())
+        return Wire.Done()
+
+
+def settings(folder, lora: LoRAConfig | None) -> EngineSettings:
+    return EngineSettings(
+        inference=InferenceConfig(engine="reference", max_num_seqs=4, temperature=0.0),
+        timeout_s=60,
+        debug=False,
+        threads_per_rank=1,
+        world=types.SimpleNamespace(weight_group=None, trainer_ranks=[0]),  # type: ignore[arg-type]
+        model_path=str(folder),
+        tokenizer_path=str(folder),
+        max_len=32,
+        stop_token_ids=[],
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        seed=0,
+        bucket_bytes=8 * 1024,  # several buckets of whole layers
+        bucket_group_size=2,
+        lora=lora,
+    )
+
+
+def greedy(engine: ReferenceEngine) -> list[tuple[list[int], list[float]]]:
+    reqs = [Request(i, p, max_tokens=8) for i, p in enumerate([[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]])]
+    for r in reqs:
+        engine.add(r)
+    while engine.num_unfinished():
+        engine.step()
+    return [(r.tokens, r.logprobs) for r in reqs]
+
+
+def test_a_reference_engine_after_an_adapter_push_equals_one_opened_on_the_merged_weights(tmp_path, monkeypatch):
+    """Trainer side: a LoRA model whose adapters (random, B != 0) the real `WeightSender` pushes in fp32; engine
+    side: `ReferenceEngine.create` under `[lora]`, loading version 1 in flight (`load_update`) and version 2 staged
+    (`stage_update` + `apply_staged`). After each, every weight and the greedy tokens and log-probs equal, bit for
+    bit, those of a reference engine opened on an HF folder of `merge_adapters` (the same `merged_weight`)."""
+    cfg = LoRAConfig(enabled=True, rank=4, alpha=16.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
+    base = build_model(ARGS, seed=1)
+    save_hf_folder(tmp_path / "base", ARGS, base.state_dict())
+    trained = copy.deepcopy(base)
+    apply_lora(trained, cfg)
+    wire = Wire()
+    monkeypatch.setattr(weights.dist, "broadcast", wire.receive)
+    monkeypatch.setattr(WeightSender, "_header", lambda self, kind, version: None)
+    sender = WeightSender(
+        trained, None, 0, True, torch.float32, torch.device("cpu"), 8 * 1024, wire, params=adapter_parameters(trained)
+    )
+    engine, receiver = ReferenceEngine.create(settings(tmp_path / "base", cfg))
+    assert receiver.dtype == torch.float32 and len(receiver.layout.buckets) == len(sender.buckets) > 1
+    plain = greedy(ReferenceEngine.open(settings(tmp_path / "base", None)))
+    for version in (1, 2):
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(version)
+            for _, p in adapter_parameters(trained):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        sender.push(version)
+        if version == 1:
+            engine.load_update(receiver, version, kv_max_age=-1)
+        else:
+            engine.stage_update(receiver)
+            engine.apply_staged(version)
+        assert not wire.buckets  # the whole push was taken
+        merged = merge_adapters({n: t.detach() for n, t in trained.state_dict().items()}, cfg)
+        save_hf_folder(tmp_path / f"merged{version}", ARGS, merged)
+        reference = ReferenceEngine.open(settings(tmp_path / f"merged{version}", None))
+        for name, p in reference.params.items():
+            assert torch.equal(engine.params[name], p), name
+        got = greedy(engine)
+        assert got == greedy(reference)  # tokens and log-probs, exactly
+        assert got != plain  # the adapters changed the model
