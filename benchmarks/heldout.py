@@ -28,6 +28,7 @@ import torch
 from pipelinerl_fsdp.checkpoint_layout import exported_policies
 from pipelinerl_fsdp.config import Config
 from pipelinerl_fsdp.models.hf_io import load_hf_model
+from pipelinerl_fsdp.models.peft_io import loadable_policy
 from pipelinerl_fsdp.preflight import stop_token_ids
 from pipelinerl_fsdp.tasks import make_task
 from pipelinerl_fsdp.tokenizer import load_tokenizer
@@ -72,6 +73,7 @@ class Evaluator:
             self._pool = None
 
     def accuracy(self, folder: Path) -> float:
+        folder = loadable_policy(folder)  # a LoRA export: its merged HF folder
         tokenizer = load_tokenizer(self.cfg.tokenizer.path or folder)
         model = load_hf_model(folder, "cpu", torch.float32)
         return greedy_accuracy(

@@ -85,9 +85,11 @@ def export_folder(output_dir: str | Path, step: int) -> Path:
 
 def exported_policies(output_dir: str | Path, max_steps: int) -> list[tuple[int, Path]]:
     """(step, folder) of a run's exported policies in step order: `exports/step-N`, and `final/` as step
-    `max_steps` when the run got that far."""
+    `max_steps` when the run got that far (an HF folder, or a LoRA run's adapter folder: evaluate either through
+    `models.peft_io.loadable_policy`)."""
     output_dir = Path(output_dir)
     out = [(int(p.name.removeprefix("step-")), p) for p in (output_dir / "exports").glob("step-*") if p.is_dir()]
-    if (output_dir / "final" / "config.json").is_file():
+    final = output_dir / "final"
+    if (final / "config.json").is_file() or (final / "adapter_config.json").is_file():
         out.append((max_steps, output_dir / "final"))
     return sorted(out)

@@ -425,7 +425,7 @@ def run_trainer(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int)
         resume_step=resumed["step"] if resumed else 0,  # 0 in a fresh run
     )
     rollout_log = RolloutLog(out / "rl" / "rollouts", inputs.tokenizer, task, cfg.job.seed, cfg.metrics.rollouts_every)
-    exporter = PolicyExporter(policy.model, world, inputs.tokenizer, out)
+    exporter = PolicyExporter(policy.model, world, inputs.tokenizer, out, model_path)
     parts = TrainerParts(
         world, task, policy, step, pusher, collector, receiver, logger, rollout_log, evals, checkpointer, exporter
     )
