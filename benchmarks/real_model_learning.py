@@ -35,7 +35,6 @@ from typing import Any
 from benchmarks.harness import RESULTS, ROOT, markdown_table, pyplot, read_metrics, report, run_job, save_figure
 from benchmarks.heldout import crossing
 from pipelinerl_fsdp.checkpoint_layout import exported_policies
-from pipelinerl_fsdp.models.peft_io import loadable_policy
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,7 +76,6 @@ def evaluate(a: argparse.Namespace, model: Path | None, out: Path, core: int) ->
     """`scripts.task_accuracy` on `model` (the config's own when None) into `out`, on one core; skipped when done."""
     if out.exists():
         return
-    model = loadable_policy(model) if model is not None else None  # a LoRA export: its merged HF folder
     cmd = [sys.executable, "-m", "scripts.task_accuracy", "--config", a.config]
     cmd += ["--size", str(a.size), "--core", str(core), "--out", str(out)]
     if model is not None:

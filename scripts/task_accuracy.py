@@ -26,6 +26,7 @@ from benchmarks.harness import RESULTS, report
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.inference.engine import Request
 from pipelinerl_fsdp.inference.factory import generation_engine
+from pipelinerl_fsdp.models.peft_io import loadable_policy
 from pipelinerl_fsdp.preflight import stop_token_ids
 from pipelinerl_fsdp.rewards.outcomes import outcome_for
 from pipelinerl_fsdp.tasks import make_task
@@ -51,7 +52,7 @@ def main() -> None:
     problems = task.eval_split()[: a.size]
     if len(problems) < a.size:
         raise SystemExit(f"--size {a.size}: the task's held-out split has {len(problems)} problems (task.eval_size)")
-    model = cfg.model.path
+    model = str(loadable_policy(cfg.model.path))  # a LoRA run's export: its merged HF folder
     tok = load_tokenizer(cfg.tokenizer.path or model)
     stops = stop_token_ids(model, tok)
     prompts = [encode_prompt(tok, p.prompt, cfg.tokenizer) for p in problems]
