@@ -35,12 +35,8 @@ from benchmarks.harness import RESULTS, ROOT, report
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.models.args import ModelArgs
-from pipelinerl_fsdp.plan import (
-    attention_extra_bytes,
-    load_host_memory,
-    trainer_memory,
-    weight_sync_buffers,
-)
+from pipelinerl_fsdp.plan import trainer_memory
+from pipelinerl_fsdp.plan_sizes import attention_extra_bytes, load_host_memory, weight_sync_buffers
 from pipelinerl_fsdp.runtime.host_memory import PeakAnon
 from pipelinerl_fsdp.runtime.torchrun import torchrun_command
 

@@ -27,6 +27,9 @@ engine (vLLM): `gpu_memory_utilization` of the GPU for weights, activations and 
   `max_model_len`.
 export: the final (and periodic) HF export gathers one full fp32 tensor at a time and moves it to the host of the
   first trainer rank, so it adds one tensor to a trainer GPU, not the model.
+Under `[lora]` the items change as docs/lora.md ("Memory") lists: the frozen base in the parameter dtype, fp32
+  adapters with their gradients and AdamW state, the adapters' activations, a push of the adapters (fp32); on
+  the engines, the copy W0 of the targeted weights each one merges from.
 Every GPU also loses ~1.5 GiB to the CUDA context and the allocator. The plan fails when a GPU's total exceeds its
 memory, when an engine cannot hold one full-length sequence, or when a node has fewer GPUs than its ranks need.
 """
@@ -34,12 +37,12 @@ memory, when an engine cannot hold one full-length sequence, or when a node has 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from pipelinerl_fsdp.config import (
     Config,
     ConfigError,
     InferenceConfig,
+    LoRAConfig,
     ModelConfig,
     PlanConfig,
     TaskConfig,
@@ -47,9 +50,18 @@ from pipelinerl_fsdp.config import (
 )
 from pipelinerl_fsdp.inference.vllm_config import VLLMInferenceConfig
 from pipelinerl_fsdp.job.world import rank_layout
-from pipelinerl_fsdp.models.args import ModelArgs, flavour_args
-from pipelinerl_fsdp.models.hf_io import read_model_args
-from pipelinerl_fsdp.transport.weights import layer_buckets, slot_sizes
+from pipelinerl_fsdp.models.args import ModelArgs
+from pipelinerl_fsdp.plan_sizes import (
+    DTYPE_BYTES,
+    attention_extra_bytes,
+    block_activation_elements,
+    engine_dtype_bytes,
+    file_dtype_bytes,
+    load_host_memory,
+    lora_sizes,
+    plan_model_args,
+    weight_sync_buffers,
+)
 
 GIB = 1 << 30
 # `trainer.micro_batch_tokens = "auto"`: on CPU today's budget; on GPU the largest of these the plan fits
@@ -59,92 +71,6 @@ GPU_MICRO_BATCH_TOKENS = (32768, 16384, 8192, 4096)
 AUTO_MEMORY_SHARE = 0.9
 CUDA_CONTEXT_GIB = 1.5
 VLLM_ACTIVATIONS_GIB = 2.0
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def plan_model_args(model: ModelConfig) -> tuple[ModelArgs, str]:
-    """The model's shape and where it came from: `model.path`'s config.json, else `model.flavour`."""
-    config_json = Path(model.path) / "config.json" if model.path else None
-    if config_json is not None and config_json.is_file():
-        return read_model_args(model.path), str(config_json)
-    try:
-        return flavour_args(model.flavour), f"model.flavour = {model.flavour!r}"
-    except ValueError as e:
-        raise ConfigError(f"plan: model.path has no config.json and {e}") from None
-
-
-def block_activation_elements(args: ModelArgs) -> int:
-    """Elements autograd keeps per token for one decoder block (flash-style attention: no score matrix)."""
-    hd = args.head_dim or args.hidden_size // args.num_attention_heads
-    kv = args.num_key_value_heads * hd
-    return 7 * args.hidden_size + 2 * kv + args.num_attention_heads + 4 * args.intermediate_size + 2 * hd + 2
-
-
-def parameter_sizes(args: ModelArgs) -> list[tuple[str, int]]:
-    """(name, elements) of every parameter in `named_parameters()` order: the model built on the meta device."""
-    import torch
-
-    from pipelinerl_fsdp.models.decoder import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(args)
-    return [(n, p.numel()) for n, p in model.named_parameters()]
-
-
-def weight_sync_buffers(args: ModelArgs, engine_dtype: str, bucket_mb: int, sent_as_is: bool) -> tuple[int, int, int]:
-    """Bytes of (the first trainer's send buffers, an engine worker's receive buffers, the largest parameter) in
-    the engine dtype, from the exact bucket layout (`transport/weights.py`). `sent_as_is`: one-tensor buckets go
-    from the parameter itself (a single trainer whose parameters are in the engine dtype) and need no buffer.
-    `engine_dtype`: `inference.dtype`; `bucket_mb`: `world.weight_bucket_mb`."""
-    ebytes = engine_dtype_bytes(engine_dtype)
-    sizes = parameter_sizes(args)
-    buckets = layer_buckets(sizes, ebytes, bucket_mb * (1 << 20))
-    elements = [sum(sizes[i][1] for i in b) for b in buckets]
-    used = [not (sent_as_is and len(b) == 1) for b in buckets]
-    return (
-        sum(slot_sizes(elements, used)) * ebytes,
-        sum(slot_sizes(elements)) * ebytes,
-        max(n for _, n in sizes) * ebytes,
-    )
-
-
-def engine_dtype_bytes(dtype: str) -> int:
-    """Bytes per element of the engines' weights (and of the weight sync), `inference.dtype`: "auto" is bf16 on
-    GPU."""
-    return 2 if dtype == "auto" else DTYPE_BYTES[dtype]
-
-
-def file_dtype_bytes(model: ModelConfig) -> int:
-    """Bytes per element in `model.path`'s safetensors (config.json's dtype); public checkpoints are bf16."""
-    config_json = Path(model.path) / "config.json" if model.path else None
-    if config_json is not None and config_json.is_file():
-        import json
-
-        meta = json.loads(config_json.read_text())
-        return DTYPE_BYTES.get(meta.get("torch_dtype") or meta.get("dtype") or "bfloat16", 2)
-    return 2
-
-
-def load_host_memory(
-    args: ModelArgs, n_ranks: int, file_bytes: int, param_bytes: int, on_gpu: bool
-) -> dict[str, float]:
-    """Host bytes per rank while `policy.load_sharded` fills its shards: its shard of every parameter when the
-    shards live on the host (CPU), and, when the file's dtype differs from the parameters', the largest tensor's
-    rows converted on the host. The rows as read are views of the memory-mapped files (page cache, shared and
-    reclaimable), not this rank's memory (measured: `benchmarks/memory_vs_plan.py`)."""
-    largest = max(n for _, n in parameter_sizes(args))
-    rows = -(-largest // n_ranks)
-    return {
-        "shard of every parameter": 0.0 if on_gpu else args.num_params() * param_bytes / n_ranks,
-        "largest tensor's rows, converted": rows * param_bytes if file_bytes != param_bytes else 0.0,
-    }
-
-
-def attention_extra_bytes(args: ModelArgs, tokens: int, pbytes: int) -> float:
-    """Memory of attention over a packed row beyond q, k, v: each document's output, then their concatenation (the
-    per-document kernels keep only a log-sum-exp per head and token besides)."""
-    hd = args.head_dim or args.hidden_size // args.num_attention_heads
-    return tokens * args.num_attention_heads * (2 * hd * pbytes + 4)
 
 
 @dataclass
@@ -189,10 +115,12 @@ def trainer_memory(
     engine_dtype: str = "auto",
     bucket_mb: int = 64,
     kl_reference: bool = False,
+    lora: LoRAConfig | None = None,
 ) -> dict[str, float]:
     """Bytes per trainer GPU by item (see the module docstring). `engine_dtype`: `inference.dtype`, `bucket_mb`:
-    `world.weight_bucket_mb`, `kl_reference`: `rl.kl_coef > 0` (a frozen copy of the policy is kept). The trainer's
-    "auto" keys must be decided first (`resolve_trainer_defaults`)."""
+    `world.weight_bucket_mb`, `kl_reference`: `rl.kl_coef > 0` (a frozen copy of the policy is kept), `lora`: the
+    `[lora]` section (enabled: only adapters train). The trainer's "auto" keys must be decided first
+    (`resolve_trainer_defaults`)."""
     if tr.micro_batch_tokens == "auto" or tr.defer_grad_sync == "auto":
         raise ValueError("trainer_memory: decide trainer.micro_batch_tokens / defer_grad_sync first")
     p = args.num_params()
@@ -204,23 +132,39 @@ def trainer_memory(
     rbytes = DTYPE_BYTES[tr.reduce_dtype]
     ebytes = engine_dtype_bytes(engine_dtype)
     t = tr.micro_batch_tokens
+    lora = lora if lora is not None and lora.enabled else None
+    # adapters: elements in all (pl) and per block, and the bytes per token one block's adapters keep for the
+    # backward pass: A's output (rank per targeted linear) and, with dropout, its output and mask (the input widths)
+    pl, block_l, lora_act = 0, 0.0, 0.0
+    if lora is not None:
+        sizes, _, widths = lora_sizes(args, lora)
+        pl = sum(n for _, n in sizes)
+        block_l = pl / layers
+        lora_act = lora.rank * len(lora.target_modules) * pbytes + (widths * (pbytes + 1) if lora.dropout > 0 else 0)
     # FSDP2 keeps the sharded (master) parameters in fp32 whatever param_dtype: only an fp32 engine takes them as-is
-    send, _, largest = weight_sync_buffers(args, engine_dtype, bucket_mb, sent_as_is=n_trainers == 1 and ebytes == 4)
-    act = block_activation_elements(args) * pbytes
+    # (the adapters travel in fp32)
+    as_is = n_trainers == 1 and (ebytes == 4 or lora is not None)
+    send, _, largest = weight_sync_buffers(args, engine_dtype, bucket_mb, as_is, lora)
+    act = block_activation_elements(args) * pbytes + lora_act
     if checkpointing:
         every = tr.ac_every
         kept = sum(1 for i in range(layers) if i % every == 0)
         activations = t * (kept * h * pbytes + (layers - kept) * act + act)
     else:
         activations = t * layers * act
-    out = {
-        "parameters (fp32 shard)": 4 * p / n_trainers,
-        "gradients (fp32 shard)": 4 * p / n_trainers,
-        "AdamW state (fp32 shard)": 8 * p / n_trainers,
+    trained, of = (pl, " of the adapters") if lora is not None else (p, "")  # what has gradients, AdamW state
+    out = {"parameters (fp32 shard)": 4 * p / n_trainers}
+    if lora is not None:  # the base frozen in the parameter dtype (training/policy.py: frozen_base_dtype)
+        out = {f"base parameters (frozen, {'fp32' if pbytes == 4 else 'bf16'} shard)": pbytes * p / n_trainers}
+        out["LoRA adapters (fp32 shard)"] = 4 * pl / n_trainers
+    out |= {
+        f"gradients{of} (fp32 shard)": 4 * trained / n_trainers,
+        f"AdamW state{of} (fp32 shard)": 8 * trained / n_trainers,
         "KL reference (fp32 shard)": 4 * p / n_trainers if kl_reference else 0.0,
-        "gathered blocks (2) + block gradient": 2 * block * pbytes + block * rbytes,
+        # the block's gradient: of its adapters only under LoRA
+        "gathered blocks (2) + block gradient": 2 * (block + block_l) * pbytes + (block_l if lora else block) * rbytes,
         f"root: embeddings + head ({'fp32' if fp32_head else 'param dtype'})": root * (4 if fp32_head else pbytes),
-        "unsharded gradients (defer_grad_sync)": 4 * p if tr.defer_grad_sync else 0.0,
+        f"unsharded gradients{of} (defer_grad_sync)": 4 * trained if tr.defer_grad_sync else 0.0,
         f"activations ({t} tokens, {'checkpointed' if checkpointing else 'no checkpointing'})": activations,
         "attention: document outputs + their concatenation (one layer)": attention_extra_bytes(args, t, pbytes),
         "log-prob chunks + final hidden": 3 * tr.logprob_chunk_size * v * 4 + t * h * 4,
@@ -276,17 +220,24 @@ def engine_memory(
     gpu_memory_gib: float,
     bucket_mb: int,
     staged_update: bool,
+    lora: LoRAConfig | None = None,
 ) -> tuple[dict[str, float], int, int]:
     """(bytes per engine GPU by item, KV-cache tokens that fit, tokens the engine's slots can ask for) on a GPU of
     `plan.gpu_memory_gib`. `bucket_mb`: `world.weight_bucket_mb`; `staged_update`: async mode (a whole update held
-    until loaded)."""
+    until loaded); `lora` enabled: pushes carry fp32 adapters, merged into the engine's weights from its own copy
+    W0 of the targeted weights (kept whole on every worker, in the engine dtype, as its files hold them)."""
     tp = inf.tensor_parallel_size
     gpu = gpu_memory_gib * GIB
     ebytes = engine_dtype_bytes(inf.dtype)
     p = args.num_params()
     h, v = args.hidden_size, args.vocab_size
     root = v * h * (1 if args.tie_word_embeddings else 2) + h
-    _, receive, _ = weight_sync_buffers(args, inf.dtype, bucket_mb, sent_as_is=False)
+    lora = lora if lora is not None and lora.enabled else None
+    _, receive, _ = weight_sync_buffers(args, inf.dtype, bucket_mb, sent_as_is=False, lora=lora)
+    pushed, targeted = p * ebytes, [0]  # a whole update's bytes; the elements of each targeted weight
+    if lora is not None:
+        sizes, targeted, _ = lora_sizes(args, lora)
+        pushed, root = 4 * sum(n for _, n in sizes), 0  # adapters only: the vocabulary layers never travel
     weights = p * ebytes / tp
     hd = args.head_dim or args.hidden_size // args.num_attention_heads
     kv_per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * hd * ebytes / tp
@@ -300,9 +251,13 @@ def engine_memory(
         "weight sync: receive buffers (2 slots) + vocabulary copies": receive + root * ebytes,
         # async mode receives a whole update while generating and loads it later: every worker holds one full copy
         # (HF shapes, not its tensor-parallel shard), outside vLLM's budget
-        "weight sync: a whole staged update (rl.mode = 'async')": p * ebytes if staged_update else 0.0,
-        "CUDA context, allocator": CUDA_CONTEXT_GIB * GIB,
+        "weight sync: a whole staged update (rl.mode = 'async')": pushed if staged_update else 0.0,
     }
+    if lora is not None:
+        items["LoRA: the base copy W0 of the targeted weights (engine dtype)"] = sum(targeted) * ebytes
+        # merged_weight on the largest one: W0 upcast, B A and s B A in fp32, alive at once
+        items["LoRA: merging one weight (3 fp32 copies of the largest targeted)"] = 12 * max(targeted)
+    items["CUDA context, allocator"] = CUDA_CONTEXT_GIB * GIB
     return items, int(kv // kv_per_token), inf.max_num_seqs * max_model_len
 
 
@@ -330,12 +285,22 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
     gpu = pl.gpu_memory_gib * GIB
     nodes = layout(pl, cfg.world.inference_ranks, inf.tensor_parallel_size)
     n_trainers = sum(n.trainers for n in nodes)
+    lora = cfg.lora if cfg.lora.enabled else None
     sync = {"engine_dtype": inf.dtype, "bucket_mb": cfg.world.weight_bucket_mb, "kl_reference": cfg.rl.kl_coef > 0}
+    sync["lora"] = lora
     resolve_trainer_defaults(cfg.trainer, cfg.model, n_trainers, True, gpu, **sync)  # a plan is for GPUs
     problems = []
     lines = [
         f"plan: {pl.nodes} node(s) x {pl.gpus_per_node} GPUs of {pl.gpu_memory_gib:g} GiB; model from {source}: "
         f"{args.num_params() / 1e9:.2f}B parameters, {args.num_hidden_layers} layers, hidden {args.hidden_size}",
+    ]
+    if lora is not None:
+        n_lora = sum(n for _, n in lora_sizes(args, lora)[0])
+        lines.append(
+            f"LoRA: rank {lora.rank} on {', '.join(lora.target_modules)}: {n_lora / 1e6:.1f}M adapter parameters "
+            f"trained and pushed ({4 * n_lora / GIB:.2f} GiB in fp32 per update)"
+        )
+    lines += [
         "",
         "| node | trainer ranks | engine ranks (x tp) | GPUs used |",
         "|---|---|---|---|",
@@ -379,7 +344,8 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
     lines.append(f"| **total** | **{_total(chosen) / GIB:.2f}** of {pl.gpu_memory_gib:g} |")
     other = "with" if not ac else "without"
     lines.append(f"| (total {other} activation checkpointing) | {_total(ckpt if not ac else plain) / GIB:.2f} |")
-    host = sum(load_host_memory(args, n_trainers, file_dtype_bytes(cfg.model), 4, on_gpu=True).values())
+    stored = 4 if lora is None or cfg.trainer.param_dtype == "float32" else 2  # a frozen base: bf16 on GPU
+    host = sum(load_host_memory(args, n_trainers, file_dtype_bytes(cfg.model), stored, on_gpu=True).values())
     lines.append(f"| (host memory per trainer rank while loading its shards; not on the GPU) | {host / GIB:.2f} |")
     if _total(chosen) > gpu:
         problems.append(
@@ -388,7 +354,7 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
         )
     max_len = engine_max_model_len(inf, cfg.task)
     eng, kv_tokens, wanted = engine_memory(
-        inf, args, max_len, pl.gpu_memory_gib, cfg.world.weight_bucket_mb, staged_update=cfg.rl.mode == "async"
+        inf, args, max_len, pl.gpu_memory_gib, cfg.world.weight_bucket_mb, cfg.rl.mode == "async", lora
     )
     lines += [
         "",
@@ -406,8 +372,10 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
     if _total(eng) > gpu:
         problems.append(
             f"an engine GPU needs {_total(eng) / GIB:.1f} GiB of {pl.gpu_memory_gib:g} (the weight sync's receive "
-            "buffers, and in async mode a whole staged update, sit beside vLLM's budget: lower "
-            "inference.gpu_memory_utilization or world.weight_bucket_mb, or use rl.mode = 'pipeline')"
+            "buffers, and in async mode a whole staged update, sit beside vLLM's budget"
+            + (", as does LoRA's copy W0 of the targeted weights" if lora else "")
+            + ": lower inference.gpu_memory_utilization or world.weight_bucket_mb, or use rl.mode = 'pipeline'"
+            + (", or target fewer lora.target_modules)" if lora else ")")
         )
     if kv_tokens < max_len:
         problems.append(f"an engine's KV cache holds {kv_tokens} tokens, less than one sequence of {max_len}")

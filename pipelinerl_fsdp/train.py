@@ -81,7 +81,7 @@ def run(cfg: Config) -> None:
         """The trainer's "auto" keys decided by its device (plan.resolve_trainer_defaults), before any use."""
         from pipelinerl_fsdp.plan import GIB, resolve_trainer_defaults
 
-        sync = {"engine_dtype": cfg.inference.dtype, "bucket_mb": cfg.world.weight_bucket_mb}
+        sync = {"engine_dtype": cfg.inference.dtype, "bucket_mb": cfg.world.weight_bucket_mb, "lora": cfg.lora}
         gpu = cfg.plan.gpu_memory_gib * GIB
         resolve_trainer_defaults(
             cfg.trainer, cfg.model, n_trainers, on_gpu, gpu, kl_reference=cfg.rl.kl_coef > 0, **sync

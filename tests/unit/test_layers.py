@@ -129,7 +129,7 @@ LAYERS: list[list[str]] = [
     ["data", "episodes"],
     ["rl", "tasks"],  # pure math of training; tasks and environments
     ["transport", "preflight"],
-    ["job"],  # the world, its process groups, the weight sync's layout
+    ["job", "plan_sizes"],  # the world, its process groups, the weight sync's layout; the sizes the plan counts
     ["job_inputs"],
     ["inference"],
     ["training"],

@@ -31,7 +31,7 @@ def test_each_buffer_slot_is_as_large_as_the_largest_bucket_it_carries():
 def test_the_plan_holds_a_7b_vocabulary_bucket_once_not_twice():
     from pipelinerl_fsdp.configure import load_config
     from pipelinerl_fsdp.models import flavour_args
-    from pipelinerl_fsdp.plan import weight_sync_buffers
+    from pipelinerl_fsdp.plan_sizes import weight_sync_buffers
 
     cfg = load_config(["--config", "math", "--job.stage=plan"])
     args = flavour_args("qwen2.5-7b")
