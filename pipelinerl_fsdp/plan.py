@@ -137,8 +137,8 @@ def trainer_memory(
     # backward pass: A's output (rank per targeted linear) and, with dropout, its output and mask (the input widths)
     pl, block_l, lora_act = 0, 0.0, 0.0
     if lora is not None:
-        sizes, _, widths = lora_sizes(args, lora)
-        pl = sum(n for _, n in sizes)
+        sizes = lora_sizes(args, lora)
+        pl, widths = sum(n for _, n in sizes.adapters), sizes.widths
         block_l = pl / layers
         lora_act = lora.rank * len(lora.target_modules) * pbytes + (widths * (pbytes + 1) if lora.dropout > 0 else 0)
     # FSDP2 keeps the sharded (master) parameters in fp32 whatever param_dtype: only an fp32 engine takes them as-is
@@ -234,10 +234,10 @@ def engine_memory(
     root = v * h * (1 if args.tie_word_embeddings else 2) + h
     lora = lora if lora is not None and lora.enabled else None
     _, receive, _ = weight_sync_buffers(args, inf.dtype, bucket_mb, sent_as_is=False, lora=lora)
-    pushed, targeted = p * ebytes, [0]  # a whole update's bytes; the elements of each targeted weight
+    pushed = p * ebytes  # a whole update's bytes
     if lora is not None:
-        sizes, targeted, _ = lora_sizes(args, lora)
-        pushed, root = 4 * sum(n for _, n in sizes), 0  # adapters only: the vocabulary layers never travel
+        sizes = lora_sizes(args, lora)
+        pushed, root = 4 * sum(n for _, n in sizes.adapters), 0  # adapters only: the vocabulary layers never travel
     weights = p * ebytes / tp
     hd = args.head_dim or args.hidden_size // args.num_attention_heads
     kv_per_token = 2 * args.num_hidden_layers * args.num_key_value_heads * hd * ebytes / tp
@@ -254,9 +254,10 @@ def engine_memory(
         "weight sync: a whole staged update (rl.mode = 'async')": pushed if staged_update else 0.0,
     }
     if lora is not None:
-        items["LoRA: the base copy W0 of the targeted weights (engine dtype)"] = sum(targeted) * ebytes
+        # the targets and their untargeted siblings in vLLM's fused q/k/v and gate/up (loaded with their W0)
+        items["LoRA: the base copy W0 of the targeted weights (engine dtype)"] = sizes.w0 * ebytes
         # merged_weight on the largest one: W0 upcast, B A and s B A in fp32, alive at once
-        items["LoRA: merging one weight (3 fp32 copies of the largest targeted)"] = 12 * max(targeted)
+        items["LoRA: merging one weight (3 fp32 copies of the largest targeted)"] = 12 * max(sizes.targeted)
     items["CUDA context, allocator"] = CUDA_CONTEXT_GIB * GIB
     return items, int(kv // kv_per_token), inf.max_num_seqs * max_model_len
 
@@ -295,7 +296,7 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
         f"{args.num_params() / 1e9:.2f}B parameters, {args.num_hidden_layers} layers, hidden {args.hidden_size}",
     ]
     if lora is not None:
-        n_lora = sum(n for _, n in lora_sizes(args, lora)[0])
+        n_lora = sum(n for _, n in lora_sizes(args, lora).adapters)
         lines.append(
             f"LoRA: rank {lora.rank} on {', '.join(lora.target_modules)}: {n_lora / 1e6:.1f}M adapter parameters "
             f"trained and pushed ({4 * n_lora / GIB:.2f} GiB in fp32 per update)"

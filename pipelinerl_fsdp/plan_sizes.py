@@ -5,11 +5,13 @@ host memory while loading, and under `[lora]` the adapters and the base weights 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from pipelinerl_fsdp.config import ConfigError, LoRAConfig, ModelConfig
+from pipelinerl_fsdp.inference.lora_merge import VLLM_PACKED, loaded_weights
 from pipelinerl_fsdp.models.args import ModelArgs, flavour_args
 from pipelinerl_fsdp.models.hf_io import read_model_args
-from pipelinerl_fsdp.models.lora import adapter_layout
+from pipelinerl_fsdp.models.lora import adapted_weight_name, adapter_layout
 from pipelinerl_fsdp.transport.weights import layer_buckets, slot_sizes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -44,15 +46,29 @@ def parameter_sizes(args: ModelArgs) -> list[tuple[str, int]]:
     return [(n, p.numel()) for n, p in model.named_parameters()]
 
 
-def lora_sizes(args: ModelArgs, lora: LoRAConfig) -> tuple[list[tuple[str, int]], list[int], int]:
-    """(name, elements) of every adapter factor in push order (`models.lora.adapter_layout`), the elements of
-    each targeted base weight (rank x in of its A, out x rank of its B: in x out), and the sum of the targeted
-    linears' input widths in one block (what dropout keeps)."""
+class LoRASizes(NamedTuple):
+    """What `[lora]` adds to a model of a shape, in elements (`lora_sizes`)."""
+
+    adapters: list[tuple[str, int]]  # (name, elements) of every factor, in push order
+    targeted: list[int]  # elements of each targeted base weight
+    w0: int  # elements of the base weights a vLLM engine keeps to merge from (targets + fused siblings)
+    widths: int  # the targeted linears' input widths summed over one block (what dropout keeps)
+
+
+def lora_sizes(args: ModelArgs, lora: LoRAConfig) -> LoRASizes:
+    """The sizes `[lora]` adds: the adapter layout (`models.lora.adapter_layout`), the targeted weights, and the
+    weights W0 an engine keeps (`inference.lora_merge.loaded_weights` with vLLM's fused groups: targets q and v
+    keep k too, since vLLM loads q, k and v into one parameter)."""
     layout = adapter_layout(args, lora)
-    a = [shape for n, shape in layout if ".lora_A." in n]
-    b = [shape for n, shape in layout if ".lora_B." in n]
-    targeted = [int(sa[1] * sb[0]) for sa, sb in zip(a, b)]
-    return [(n, shape.numel()) for n, shape in layout], targeted, sum(int(sa[1]) for sa in a) // args.num_hidden_layers
+    base = dict(parameter_sizes(args))
+    a = [(adapted_weight_name(n), shape) for n, shape in layout if ".lora_A." in n]
+    kept = loaded_weights([n for n, _ in layout], VLLM_PACKED)
+    return LoRASizes(
+        [(n, shape.numel()) for n, shape in layout],
+        [base[w] for w, _ in a],
+        sum(base[w] for w in kept),
+        sum(int(shape[1]) for _, shape in a) // args.num_hidden_layers,
+    )
 
 
 def weight_sync_buffers(
@@ -65,7 +81,7 @@ def weight_sync_buffers(
     adapters, in fp32."""
     on = lora is not None and lora.enabled
     ebytes = 4 if on else engine_dtype_bytes(engine_dtype)
-    sizes = lora_sizes(args, lora)[0] if on else parameter_sizes(args)
+    sizes = lora_sizes(args, lora).adapters if on else parameter_sizes(args)
     buckets = layer_buckets(sizes, ebytes, bucket_mb * (1 << 20))
     elements = [sum(sizes[i][1] for i in b) for b in buckets]
     used = [not (sent_as_is and len(b) == 1) for b in buckets]

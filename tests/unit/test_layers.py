@@ -129,10 +129,10 @@ LAYERS: list[list[str]] = [
     ["data", "episodes"],
     ["rl", "tasks"],  # pure math of training; tasks and environments
     ["transport", "preflight"],
-    ["job", "plan_sizes"],  # the world, its process groups, the weight sync's layout; the sizes the plan counts
+    ["job"],  # the world, its process groups, the weight sync's layout
     ["job_inputs"],
     ["inference"],
-    ["training"],
+    ["training", "plan_sizes"],  # the trainer; the sizes the plan counts from
     ["plan", "configure"],
     ["train", "launch"],  # entry points
 ]
