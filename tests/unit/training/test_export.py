@@ -33,9 +33,11 @@ def full_value(name: str, shape: torch.Size) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))) * 0.1
 
 
-def export_on_rank(rank: int, size: int, init: str, base: Path, out: Path, lora: LoRAConfig) -> None:
-    """One trainer rank: load the base sharded with adapters (`load_sharded`), set the factors to `full_value`
-    (each rank its own rows), export as the job does."""
+def export_on_rank(
+    rank: int, size: int, init: str, base: Path, out: Path, lora: LoRAConfig, param_dtype: str = "auto"
+) -> None:
+    """One trainer rank: load the base sharded with adapters (`load_sharded`; the frozen base stored in
+    `param_dtype`), set the factors to `full_value` (each rank its own rows), export as the job does."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -47,7 +49,7 @@ def export_on_rank(rank: int, size: int, init: str, base: Path, out: Path, lora:
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     mesh = init_device_mesh("cpu", (size,))
     world = World(rank, size, rank, size, torch.device("cpu"), "gloo", list(range(size)), [], None, mesh, None, None)
-    model = load_sharded(base, world, TrainerConfig(), lora, seed=0)
+    model = load_sharded(base, world, TrainerConfig(param_dtype=param_dtype), lora, seed=0)
     with torch.no_grad():
         for name, p in adapter_parameters(model):
             assert isinstance(p, DTensor)  # really sharded by FSDP2
@@ -150,3 +152,27 @@ def test_two_ranks_gather_their_shards_into_one_adapter_folder(tmp_path, base):
     assert [p.exitcode for p in procs] == [0, 0]
     check_export(tmp_path / "final", base, lora)
     assert json.loads((tmp_path / "final" / "adapter_config.json").read_text())["r"] == 3
+
+
+def test_a_bf16_frozen_base_is_merged_in_fp32(tmp_path, base):
+    """On a GPU the frozen base is stored in bf16: the merged export adds s B A to W0 upcast to fp32 (the update
+    is not rounded to bf16), and the weights without adapters are the bf16 values, exactly."""
+    from pipelinerl_fsdp.models.lora import merged_weight
+
+    lora = dataclasses.replace(LORA, export_merged=True)
+    try:
+        export_on_rank(0, 1, f"file://{tmp_path}/.rendezvous", base, tmp_path / "final", lora, "bfloat16")
+    finally:
+        dist.destroy_process_group()
+    merged = load_hf_model(tmp_path / "final" / MERGED).state_dict()
+    w0 = {k: v.to(torch.bfloat16).float() for k, v in load_hf_model(base).state_dict().items()}
+    _, adapters, _ = read_adapter_folder(tmp_path / "final")
+    for name, a in adapters.items():
+        if ".lora_A." in name:
+            target = name.split(".lora_A.")[0] + ".weight"
+            b = adapters[name.replace(".lora_A.", ".lora_B.")]
+            assert torch.equal(merged[target], merged_weight(w0[target], a, b, lora.scaling)), target
+            rounded = merged_weight(w0[target].to(torch.bfloat16), a, b, lora.scaling).float()
+            assert not torch.equal(merged[target], rounded)  # what merging in the stored dtype would have given
+            w0.pop(target)
+    assert all(torch.equal(merged[k], v) for k, v in w0.items() if k in merged)
