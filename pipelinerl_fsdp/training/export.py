@@ -58,6 +58,7 @@ def export_policy(
     dist.barrier(group=world.trainer_group)
 
 
+@torch.no_grad()
 def gathered_adapters(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
     """Every adapter factor as a full fp32 tensor on the host (a collective over the FSDP ranks: the adapters
     only, a few MB, never the whole model); `keep` false: gather in step, keep nothing."""
