@@ -16,6 +16,9 @@ through mmap so that a freed tensor leaves the process). Items, fp32:
 - weight sync, sender / receiver: the first update through the first trainer rank's `WeightSender` and through a
   vLLM worker's receive path (`WeightUpdateExtension`, with a stand-in for vLLM's model runner that keeps the
   vocabulary tensors until the end of the update, as vLLM's layerwise reload does).
+- trained state, full fine-tuning / LoRA (rank 16, all seven linears): what a 1-rank FSDP2 trainer holds between
+  steps at SmolLM2's shape (parameters or frozen base + adapters, gradients, AdamW state), resident growth after
+  one optimizer step (not in `--quick`'s items, which the e2e test runs).
 Prints a table (plan MB, measured MB, measured / plan) and writes JSON.
 """
 
@@ -245,6 +248,63 @@ def item_sync(quick: bool) -> None:
     dist.destroy_process_group()
 
 
+def smollm2_shape(quick: bool) -> ModelArgs:
+    """SmolLM2-135M's shape (hidden 576, 9 / 3 heads, tied embeddings); `quick`: 6 of its 30 layers."""
+    return flavour_args(
+        "debug",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        num_hidden_layers=6 if quick else 30,
+        tie_word_embeddings=True,
+    )
+
+
+def item_state(variant: str, quick: bool) -> None:
+    """What a trainer rank holds between steps (1-rank FSDP2, fp32), full fine-tuning against `[lora]` (rank 16,
+    all seven linears): parameters (or the frozen base and the adapters), the gradients and AdamW's state of what
+    trains. Measured: resident growth from before the model is built to after one optimizer step on a 64-token
+    batch, gradients kept (the step's temporaries freed)."""
+    from pipelinerl_fsdp.config import LoRAConfig
+    from pipelinerl_fsdp.job.world import init_world
+    from pipelinerl_fsdp.models.lora import apply_lora, init_adapters
+    from pipelinerl_fsdp.runtime.host_memory import anon_bytes, release_free_heap
+    from pipelinerl_fsdp.training.policy import build_policy, shard
+
+    args = smollm2_shape(quick)
+    lora = LoRAConfig(enabled=variant == "lora", rank=16)
+    cfg = load_config([*BASE_ARGS, "--world.inference_ranks=0", "--trainer.micro_batch_tokens=64"])
+    world = init_world(cfg)
+    torch.set_num_threads(1)
+    release_free_heap()
+    base = anon_bytes()
+    model = build_model(args, seed=0)
+    if lora.enabled:
+        apply_lora(model, lora)
+    model = shard(model, world, cfg.trainer)
+    if lora.enabled:
+        init_adapters(model, seed=0)
+    policy = build_policy(model, cfg.trainer.optimizer, 10)
+    ids = torch.randint(0, args.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    logp, _ = model(ids, torch.arange(64)[None], targets=ids)
+    logp.sum().backward()
+    policy.optimizer.step()  # AdamW's state exists from here; the gradients are kept
+    del logp
+    release_free_heap()
+    held = anon_bytes() - base
+    plan = trainer_memory(cfg.trainer, args, 1, False, engine_dtype="float32", lora=lora)
+    state = [k for k in plan if k.startswith(("parameters", "base parameters", "LoRA adapters", "gradients", "AdamW"))]
+    result(
+        item=f"trained state, {'LoRA rank 16' if lora.enabled else 'full fine-tuning'}, SmolLM2 shape"
+        + (" (6 layers)" if quick else ""),
+        plan_mb=sum(plan[k] for k in state) / MB,
+        measured_mb=held / MB,
+        plan_items={k: round(plan[k] / MB, 1) for k in state},
+    )
+
+
 def run_item(name: str, quick: bool, tmp: Path) -> list[dict]:
     """Run one item in a fresh process (under torchrun for the two-rank ones); its RESULT lines."""
     me = ["--item", name, "--tmp", str(tmp)] + (["--quick"] if quick else [])
@@ -261,6 +321,8 @@ def run_item(name: str, quick: bool, tmp: Path) -> list[dict]:
 
 
 ITEMS = ("load", "step_off", "step_full", "attention", "sync")
+# full fine-tuning against LoRA (`python -m benchmarks.memory_vs_plan`, not the e2e test's quick run)
+STATE_ITEMS = ("state_full", "state_lora")
 
 
 def measure(quick: bool, items: tuple[str, ...] = ITEMS) -> list[dict]:
@@ -277,7 +339,7 @@ def measure(quick: bool, items: tuple[str, ...] = ITEMS) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller shapes (the test's)")
-    ap.add_argument("--item", choices=ITEMS, help=argparse.SUPPRESS)
+    ap.add_argument("--item", choices=ITEMS + STATE_ITEMS, help=argparse.SUPPRESS)
     ap.add_argument("--tmp", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=RESULTS / "memory_vs_plan.json")
     a = ap.parse_args()
@@ -288,10 +350,12 @@ def main() -> None:
             item_sync(a.quick)
         elif a.item == "attention":
             item_attention(a.quick)
+        elif a.item.startswith("state_"):
+            item_state(a.item.removeprefix("state_"), a.quick)
         else:
             item_step(a.item.removeprefix("step_"), a.quick)
         return
-    rows = measure(a.quick)
+    rows = measure(a.quick, ITEMS + STATE_ITEMS)
     report(
         a.out,
         "Memory: the plan's formulas against memory measured on CPU",
