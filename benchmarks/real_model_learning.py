@@ -5,6 +5,8 @@ conventional G = 1, held-out greedy accuracy of exported policies against wall t
     python -m benchmarks.real_model_learning --runs pipeline:0,pipeline:1,conventional:1
     python -m benchmarks.real_model_learning --runs pipeline:1 --steps 30 --tag kv0 --no-eval \\
         --extra=--inference.kv_max_age=0
+    python -m benchmarks.real_model_learning --runs pipeline:1 --tag lora_r16 --extra=--config=lora
+    python -m benchmarks.real_model_learning --summarise --runs pipeline:1:full,pipeline:1:lora_r16,pipeline:1:lora_r1
 
 Each run is one job of the preset (`--config`, default `word_problems_smollm2_cpu`: 1 vLLM engine + 1 trainer, one
 core each) into OUT/<mode>_seed<k>[_<tag>]/ with `job.seed = k`, `--steps` optimizer steps, no in-run evaluation,
@@ -40,7 +42,7 @@ from pipelinerl_fsdp.checkpoint_layout import exported_policies
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="word_problems_smollm2_cpu")
-    p.add_argument("--runs", default="pipeline:0,pipeline:1,conventional:1", help="comma list of MODE:SEED")
+    p.add_argument("--runs", default="pipeline:0,pipeline:1,conventional:1", help="MODE:SEED[:TAG],...")
     p.add_argument("--steps", type=int, default=100, help="optimizer steps per run")
     p.add_argument("--export-every", type=int, default=25)
     p.add_argument("--size", type=int, default=300, help="held-out problems per evaluation")
@@ -88,10 +90,10 @@ def evaluate(a: argparse.Namespace, model: Path | None, out: Path, core: int) ->
         raise SystemExit(f"evaluation failed: {' '.join(cmd)}; log {log}:\n{log.read_text()[-3000:]}")
 
 
-def evaluate_all(a: argparse.Namespace, runs: list[tuple[str, int]]) -> None:
+def evaluate_all(a: argparse.Namespace, runs: list[tuple[str, int, str]]) -> None:
     jobs: list[tuple[Path | None, Path]] = [(None, a.out / "start.json")]
-    for mode, seed in runs:
-        folder = a.out / run_name(mode, seed, a.tag)
+    for mode, seed, tag in runs:
+        folder = a.out / run_name(mode, seed, tag)
         for step, path in exported_policies(folder, a.steps):
             jobs.append((path, folder / "eval" / f"step-{step}.json"))
     # two at a time, one per core (each is a one-thread vLLM engine bound to its core)
@@ -149,6 +151,8 @@ def summarise_run(folder: Path, start: dict | None, target: float | None) -> dic
         "truncated_frac_by_quarter": quarters("truncated_frac", 3),
         "completion_len_by_quarter": quarters("completion_len", 1),
         "update_pause_ms_median": median(pauses),
+        # bytes of one in-flight update (absent from runs before the metric existed: NaN)
+        "push_mb_median": median([r["push_mb"] for r in recs if r.get("push_mb", 0) > 0] or [float("nan")]),
         "gen_tokens_per_busy_s": median([r["gen_tokens_per_busy_s"] for r in recs]),
         "gen_tokens_per_s": median([r["gen_tokens_per_s"] for r in recs]),
         "train_tokens_per_s": median([r["train_tokens_per_s"] for r in recs]),
@@ -189,14 +193,14 @@ def plot(results: dict[str, dict], target: float | None, out: Path) -> bool:
 def main() -> None:
     a = parse_args()
     runs = []
-    for spec in a.runs.split(","):
-        mode, _, seed = spec.partition(":")
+    for spec in a.runs.split(","):  # MODE:SEED, or MODE:SEED:TAG (a tag of its own, e.g. to summarise variants)
+        mode, seed, tag = (spec.split(":") + ["", ""])[:3]
         mode_args(mode)
-        runs.append((mode, int(seed or 0)))
+        runs.append((mode, int(seed or 0), tag or a.tag))
     a.out.mkdir(parents=True, exist_ok=True)
     if not a.summarise:
-        for mode, seed in runs:
-            folder = a.out / run_name(mode, seed, a.tag)
+        for mode, seed, tag in runs:
+            folder = a.out / run_name(mode, seed, tag)
             if finished(folder, a.steps):
                 print(f"{folder.name}: done before, not run again", flush=True)
                 continue
@@ -211,13 +215,13 @@ def main() -> None:
     start = json.loads(start_path.read_text())["row"] if start_path.exists() else None
     target = None if start is None else round(start["accuracy"] + a.gain, 3)
     results = {}
-    for mode, seed in runs:
-        folder = a.out / run_name(mode, seed, a.tag)
+    for mode, seed, tag in runs:
+        folder = a.out / run_name(mode, seed, tag)
         if (folder / "rl" / "metrics.jsonl").exists():
             results[folder.name] = summarise_run(folder, start, target)
     columns = ["run", "steps", "wall min", "start", "final", "min to target", "ESS mean (min)", "lag mean (max)",
                "mismatch |log r| lag 0", "correct (quarters)", "truncated (quarters)", "completion tokens (quarters)",
-               "update pause ms", "gen tok/busy s", "train tok/s", "steps/min"]  # fmt: skip
+               "update pause ms", "push MB", "gen tok/busy s", "train tok/s", "steps/min"]  # fmt: skip
     rows = [
         [
             name,
@@ -233,6 +237,7 @@ def main() -> None:
             r["truncated_frac_by_quarter"],
             r["completion_len_by_quarter"],
             round(r["update_pause_ms_median"]),
+            round(r["push_mb_median"], 2),
             round(r["gen_tokens_per_busy_s"], 1),
             round(r["train_tokens_per_s"], 1),
             r["steps_per_min"],
