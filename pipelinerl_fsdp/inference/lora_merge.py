@@ -84,7 +84,8 @@ def read_base(
 class AdapterMerge:
     """Turns a push of adapter factors into the merged weights to load.
 
-    `base`: W0 of every weight an update writes (`loaded_weights`), kept unchanged for the engine's life.
+    `base`: W0 of every weight an update writes (`loaded_weights`), kept unchanged for the engine's life, on the
+    engine's device or in (pinned) host memory: each W0 is moved to the device the factors arrive on as it is used.
     `adapter_names`: the factors a push carries (the receive layout's names). `packed`: the serving model's fused
     groups (vLLM: `VLLM_PACKED`; an unfused engine: none). A fused parameter is loaded slice by slice; a slice
     whose weight has no adapter is loaded with its W0 beside the merged ones, so an in-place load that first gives
@@ -109,9 +110,9 @@ class AdapterMerge:
     def __call__(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """(adapter name, tensor) pairs in layout order (a module's lora_A, then its lora_B) -> (HF weight name,
         weight) pairs: each adapted weight as `merged_weight(W0, A, B, scaling)`, and after the first weight of a
-        fused group its untargeted siblings' W0 (the stored tensor itself: loaders copy it). The received tensors
-        may be views of a reused buffer: A is read by the time its B arrives (both in one bucket: buckets hold whole
-        layers), and nothing yielded aliases them."""
+        fused group its untargeted siblings' W0 (the stored tensor itself where it is on that device: loaders copy
+        it). The received tensors may be views of a reused buffer: A is read by the time its B arrives (both in one
+        bucket: buckets hold whole layers), and nothing yielded aliases them."""
         a: tuple[str, torch.Tensor] | None = None
         done: set[str] = set()  # weights yielded by this update
         for name, t in pairs:
@@ -123,12 +124,14 @@ class AdapterMerge:
             target = adapted_weight_name(name)
             if a is None or adapted_weight_name(a[0]) != target:
                 raise ValueError(f"adapter push: {name} does not follow its lora_A (got {a and a[0]})")
-            yield target, merged_weight(self.base[target], a[1], t, self.scaling)
+            # W0 kept in host memory (`lora.engine_base = "host"`) comes to the factors' device one weight at a time
+            w0 = self.base[target].to(t.device, non_blocking=True)
+            yield target, merged_weight(w0, a[1], t, self.scaling)
             done.add(target)
             a = None
             for sibling in fused_siblings(target, self.packed):
                 if sibling not in done and sibling not in self.targets:
                     done.add(sibling)
-                    yield sibling, self.base[sibling]
+                    yield sibling, self.base[sibling].to(t.device, non_blocking=True)
         if a is not None:
             raise ValueError(f"adapter push: {a[0]} ends the update without its lora_B")
