@@ -71,6 +71,9 @@ GPU_MICRO_BATCH_TOKENS = (32768, 16384, 8192, 4096)
 AUTO_MEMORY_SHARE = 0.9
 CUDA_CONTEXT_GIB = 1.5
 VLLM_ACTIVATIONS_GIB = 2.0
+# pinned host-to-device copies, PCIe Gen4 x16 (~25 GB/s measured by CUDA's bandwidthTest; Gen5 about twice):
+# what `lora.engine_base = "host"` pays per update, an estimate the plan prints as one
+H2D_BYTES_PER_S = 25e9
 
 
 @dataclass
@@ -225,7 +228,8 @@ def engine_memory(
     """(bytes per engine GPU by item, KV-cache tokens that fit, tokens the engine's slots can ask for) on a GPU of
     `plan.gpu_memory_gib`. `bucket_mb`: `world.weight_bucket_mb`; `staged_update`: async mode (a whole update held
     until loaded); `lora` enabled: pushes carry fp32 adapters, merged into the engine's weights from its own copy
-    W0 of the targeted weights (kept whole on every worker, in the engine dtype, as its files hold them)."""
+    W0 of the targeted weights (kept whole on every worker, in the engine dtype, as its files hold them: on its GPU,
+    or in host memory under `lora.engine_base = "host"`; "auto" must be decided first, `resolve_engine_base`)."""
     tp = inf.tensor_parallel_size
     gpu = gpu_memory_gib * GIB
     ebytes = engine_dtype_bytes(inf.dtype)
@@ -233,6 +237,8 @@ def engine_memory(
     h, v = args.hidden_size, args.vocab_size
     root = v * h * (1 if args.tie_word_embeddings else 2) + h
     lora = lora if lora is not None and lora.enabled else None
+    if lora is not None and lora.engine_base == "auto":
+        raise ValueError("engine_memory: lora.engine_base is still 'auto' (resolve_engine_base decides it)")
     _, receive, _ = weight_sync_buffers(args, inf.dtype, bucket_mb, sent_as_is=False, lora=lora)
     pushed = p * ebytes  # a whole update's bytes
     if lora is not None:
@@ -254,12 +260,42 @@ def engine_memory(
         "weight sync: a whole staged update (rl.mode = 'async')": pushed if staged_update else 0.0,
     }
     if lora is not None:
-        # the targets and their untargeted siblings in vLLM's fused q/k/v and gate/up (loaded with their W0)
-        items["LoRA: the base copy W0 of the targeted weights (engine dtype)"] = sizes.w0 * ebytes
+        # the targets and their untargeted siblings in vLLM's fused q/k/v and gate/up (loaded with their W0); in
+        # host memory (`lora.engine_base = "host"`) one weight at a time comes to the GPU
+        on_gpu = lora.engine_base != "host"
+        w0 = "LoRA: the base copy W0 of the targeted weights (engine dtype)"
+        items[w0 if on_gpu else "LoRA: W0 in host memory, one weight of it on the GPU"] = (
+            sizes.w0 if on_gpu else max(sizes.targeted)
+        ) * ebytes
         # merged_weight on the largest one: W0 upcast, B A and s B A in fp32, alive at once
         items["LoRA: merging one weight (3 fp32 copies of the largest targeted)"] = 12 * max(sizes.targeted)
     items["CUDA context, allocator"] = CUDA_CONTEXT_GIB * GIB
     return items, int(kv // kv_per_token), inf.max_num_seqs * max_model_len
+
+
+def resolve_engine_base(
+    lora: LoRAConfig,
+    on_gpu: bool,
+    inf: VLLMInferenceConfig | None = None,
+    args: ModelArgs | None = None,
+    gpu_memory_gib: float = 0.0,
+    bucket_mb: int = 0,
+    staged_update: bool = False,
+) -> None:
+    """Decide `lora.engine_base` where it is "auto": "device" for engines off the GPU (host and device are one
+    memory there) and where the engine GPU fits with W0 (`engine_memory`'s items within `gpu_memory_gib`), else
+    "host" (W0 pinned in host memory, each weight moved to the GPU as it is merged). The other arguments are
+    `engine_memory`'s, needed only `on_gpu` (not max_model_len: vLLM's budget is a share of the GPU whatever the
+    length, so the engine's total does not depend on it). Called before the run's config.toml is written, so that
+    it holds the value used; every rank decides the same from the same inputs."""
+    if not lora.enabled or lora.engine_base != "auto":
+        return
+    lora.engine_base = "device"
+    if on_gpu:
+        assert inf is not None and args is not None, "a GPU engine's choice needs its memory plan's inputs"
+        items, _, _ = engine_memory(inf, args, 0, gpu_memory_gib, bucket_mb, staged_update, lora)
+        if _total(items) > gpu_memory_gib * GIB:
+            lora.engine_base = "host"
 
 
 def engine_max_model_len(inf: InferenceConfig, task: TaskConfig) -> int:
@@ -354,6 +390,9 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
             "trainer.micro_batch_tokens, set trainer.activation_checkpointing = 'full', or add trainer ranks)"
         )
     max_len = engine_max_model_len(inf, cfg.task)
+    staged, auto = cfg.rl.mode == "async", lora is not None and lora.engine_base == "auto"
+    if lora is not None:
+        resolve_engine_base(lora, True, inf, args, pl.gpu_memory_gib, cfg.world.weight_bucket_mb, staged)
     eng, kv_tokens, wanted = engine_memory(
         inf, args, max_len, pl.gpu_memory_gib, cfg.world.weight_bucket_mb, cfg.rl.mode == "async", lora
     )
@@ -370,13 +409,22 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
         f"| KV-cache tokens that fit | {kv_tokens} ({kv_tokens / max(wanted, 1):.2f}x the {wanted} that "
         f"max_num_seqs {inf.max_num_seqs} x max_model_len {max_len} can ask for) |"
     )
+    if lora is not None and lora.engine_base == "host":
+        w0 = lora_sizes(args, lora).w0 * engine_dtype_bytes(inf.dtype)
+        lines.append(f"| (host memory per engine worker: W0, pinned; not on the GPU) | {w0 / GIB:.2f} |")
+        lines.append(
+            f"\nLoRA: the engines keep W0 in host memory (lora.engine_base = 'host'{', chosen by auto' if auto else ''}"
+            f"): each update moves its {w0 / GIB:.2f} GiB to the GPU, ~{w0 / H2D_BYTES_PER_S:.1f} s at "
+            f"{H2D_BYTES_PER_S / 1e9:g} GB/s (pinned host-to-device copies over PCIe Gen4 x16, est.)"
+        )
     if _total(eng) > gpu:
         problems.append(
             f"an engine GPU needs {_total(eng) / GIB:.1f} GiB of {pl.gpu_memory_gib:g} (the weight sync's receive "
             "buffers, and in async mode a whole staged update, sit beside vLLM's budget"
             + (", as does LoRA's copy W0 of the targeted weights" if lora else "")
             + ": lower inference.gpu_memory_utilization or world.weight_bucket_mb, or use rl.mode = 'pipeline'"
-            + (", or target fewer lora.target_modules)" if lora else ")")
+            + (", or target fewer lora.target_modules" if lora else "")
+            + (", or set lora.engine_base = 'host')" if lora and lora.engine_base == "device" else ")")
         )
     if kv_tokens < max_len:
         problems.append(f"an engine's KV cache holds {kv_tokens} tokens, less than one sequence of {max_len}")

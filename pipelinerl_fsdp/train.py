@@ -87,6 +87,17 @@ def run(cfg: Config) -> None:
             cfg.trainer, cfg.model, n_trainers, on_gpu, gpu, kl_reference=cfg.rl.kl_coef > 0, **sync
         )
 
+    def decide_engine_base(on_gpu: bool) -> None:
+        """`lora.engine_base` "auto" decided by the engines' device and memory plan (plan.resolve_engine_base)."""
+        from pipelinerl_fsdp.plan import resolve_engine_base
+        from pipelinerl_fsdp.plan_sizes import plan_model_args
+
+        if not (cfg.lora.enabled and on_gpu):
+            resolve_engine_base(cfg.lora, on_gpu=False)
+            return
+        args = (cfg.inference, plan_model_args(cfg.model)[0], cfg.plan.gpu_memory_gib, cfg.world.weight_bucket_mb)
+        resolve_engine_base(cfg.lora, True, *args, cfg.rl.mode == "async")
+
     if cfg.job.stage == "rl" and cfg.rl.mode == "colocated":  # one process, no torchrun world
         from pipelinerl_fsdp.training.colocated import colocated_device, run_colocated
 
@@ -96,6 +107,7 @@ def run(cfg: Config) -> None:
     world = init_world(cfg)
     validate_world(cfg, world.world_size)
     decide_trainer_keys(len(world.trainer_ranks), on_gpu=world.backend == "nccl")
+    decide_engine_base(on_gpu=world.backend == "nccl" and cfg.inference.engine == "vllm")  # vLLM on its GPUs
     if world.is_main:  # the resolved config, "auto" keys decided
         save_resolved(cfg, cfg.job.output_dir)
     if cfg.job.stage == "warmstart":

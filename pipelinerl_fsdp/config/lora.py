@@ -8,6 +8,8 @@ from pipelinerl_fsdp.config.errors import failed
 
 # The decoder's linears an adapter may sit on, by their HF leaf names (models/decoder.py names them the same way)
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ENGINE_BASES = ("auto", "device", "host")
+TRAINED_STATE_KEYS = ("enabled", "rank", "alpha", "use_rslora", "target_modules")
 
 
 @dataclass
@@ -28,6 +30,16 @@ class LoRAConfig:
     use_rslora: bool = False
     # exports also get a merged HF folder (`merged/` beside the adapter files): what HF-folder tools evaluate
     export_merged: bool = False
+    # where each engine keeps W0, the base copy of the targeted weights it merges from: "device" beside the weights
+    # it serves; "host" in pinned host memory, moved to the GPU weight by weight at each update (frees W0's GPU
+    # memory for the KV cache, for one host-to-device copy of W0 per update); "auto": the plan's choice at
+    # start-up (device where the engine fits with it, else host; device on CPU, where the two are one)
+    engine_base: str = "auto"
+
+    def trained_state(self) -> dict[str, object]:
+        """The keys that define what a checkpoint's adapters are (their shapes, their names, the function they
+        compute): a resume must match these; dropout, exports and where the engines keep W0 may change."""
+        return {k: getattr(self, k) for k in TRAINED_STATE_KEYS}
 
     @property
     def scaling(self) -> float:
@@ -41,6 +53,7 @@ class LoRAConfig:
                 ("rank", self.rank >= 1, ">= 1"),
                 ("alpha", self.alpha > 0, "> 0"),
                 ("dropout", 0 <= self.dropout < 1, "in [0, 1)"),
+                ("engine_base", self.engine_base in ENGINE_BASES, f"one of {list(ENGINE_BASES)}"),
                 (
                     "target_modules",
                     bool(self.target_modules)

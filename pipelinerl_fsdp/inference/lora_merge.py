@@ -73,12 +73,31 @@ def fused_module_name(weight_name: str, packed: Mapping[str, Sequence[str]]) -> 
     return f"{parent}.{leaf}"
 
 
+def base_placement(engine_base: str, device: torch.device) -> tuple[torch.device, bool]:
+    """(where an engine on `device` keeps W0, whether it pins it) for `lora.engine_base`: "device" beside the
+    weights it serves; "host" in host memory, pinned where the engine is on a GPU (a pageable source would make
+    each per-update copy to the GPU synchronous and staged). "auto" is decided before the engines start
+    (`plan.resolve_engine_base`) and is refused here."""
+    if engine_base == "device":
+        return device, False
+    if engine_base == "host":
+        return torch.device("cpu"), device.type == "cuda"
+    raise ValueError(f"lora.engine_base = {engine_base!r} reached an engine (decided values: 'device', 'host')")
+
+
+def place_base(base: dict[str, torch.Tensor], engine_base: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """W0 moved where `base_placement` keeps it for an engine on `device`."""
+    where, pin = base_placement(engine_base, device)
+    return {n: t.to(where).pin_memory() if pin else t.to(where) for n, t in base.items()}
+
+
 def read_base(
-    folder: str | Path, names: Iterable[str], dtype: torch.dtype, device: torch.device
+    folder: str | Path, names: Iterable[str], dtype: torch.dtype, device: torch.device, engine_base: str = "device"
 ) -> dict[str, torch.Tensor]:
-    """W0 of `names` from an HF folder (the one the engine opened), in the engine's dtype, on its device: the
-    weights the engine started with, as its loader cast them."""
-    return {n: t.to(device=device, dtype=dtype) for n, t in read_tensors(folder, list(names)).items()}
+    """W0 of `names` from an HF folder (the one the engine opened), in the engine's dtype, where an engine on
+    `device` keeps it (`base_placement`): the weights the engine started with, as its loader cast them."""
+    read = {n: t.to(dtype=dtype) for n, t in read_tensors(folder, list(names)).items()}
+    return place_base(read, engine_base, device)
 
 
 class AdapterMerge:

@@ -31,7 +31,7 @@ import torch
 
 from pipelinerl_fsdp.inference.engine import Engine, EngineSettings, Request, stale_kv
 from pipelinerl_fsdp.inference.kv_cache import KVCache
-from pipelinerl_fsdp.inference.lora_merge import AdapterMerge
+from pipelinerl_fsdp.inference.lora_merge import AdapterMerge, place_base
 from pipelinerl_fsdp.inference.sampling import sample_next
 from pipelinerl_fsdp.models import Transformer, load_hf_model, read_model_args
 from pipelinerl_fsdp.models.lora import adapted_weight_name, adapter_layout
@@ -66,7 +66,7 @@ class ReferenceEngine(Engine):
             receiver = WeightReceiver(
                 layout, s.world.weight_group, s.weight_src, torch.float32, s.device, s.bucket_bytes
             )
-            engine.merge_adapters([n for n, _ in layout], s.lora.scaling)
+            engine.merge_adapters([n for n, _ in layout], s.lora.scaling, s.lora.engine_base)
             return engine, receiver
         receiver = WeightReceiver(
             [(n, p.shape) for n, p in params.items()],
@@ -114,12 +114,14 @@ class ReferenceEngine(Engine):
     def params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
 
-    def merge_adapters(self, adapter_names: list[str], scaling: float) -> None:
+    def merge_adapters(self, adapter_names: list[str], scaling: float, engine_base: str = "device") -> None:
         """From now on updates carry these adapter factors (`[lora]`): keep W0, the current weights of the linears
-        they adapt, and load each update as W0 + scaling B A (inference/lora_merge.py)."""
+        they adapt (where `engine_base` says: `lora_merge.base_placement`), and load each update as
+        W0 + scaling B A (inference/lora_merge.py)."""
         params = self.params
         names = [adapted_weight_name(n) for n in adapter_names if ".lora_A." in n]
-        self._merge = AdapterMerge({n: params[n].detach().clone() for n in names}, scaling, adapter_names)
+        base = place_base({n: params[n].detach().clone() for n in names}, engine_base, self.device)
+        self._merge = AdapterMerge(base, scaling, adapter_names)
 
     def add(self, request: Request) -> None:
         if len(request.prompt_ids) + request.max_tokens > self.max_len:

@@ -125,6 +125,7 @@ class VLLMEngine(Engine):
         if s.lora is not None:  # adapters travel (fp32); the workers merge them into W0 (inference/lora_merge.py)
             layout = adapter_layout(read_model_args(s.model_path), s.lora)
             lora = {"scaling": s.lora.scaling, "model_path": str(s.model_path), "dtype": dtype}
+            lora["engine_base"] = s.lora.engine_base
             dtype = "float32"
         else:
             with torch.device("meta"):  # names and shapes of the broadcast, in the trainer's order

@@ -94,8 +94,9 @@ class WeightUpdateExtension:
     ) -> None:
         """Join the bucket group as `base_rank + this worker's tensor-parallel rank`; allocate receive buffers;
         load updates the `load` way (`vllm_load.LOADS`); `prefix`: the job attempt's store prefix. `lora`
-        (`scaling`, `model_path`, `dtype`): the updates carry the adapters `names_and_shapes` names, merged here
-        into W0, read now from the engine's own HF folder (inference/lora_merge.py); None: full weights."""
+        (`scaling`, `model_path`, `dtype`, `engine_base`): the updates carry the adapters `names_and_shapes` names,
+        merged here into W0, read now from the engine's own HF folder and kept where `engine_base` says
+        (inference/lora_merge.py); None: full weights."""
         output_token_counts(self.model_runner)  # a runner whose state we cannot read fails here, at start-up
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._pl_merge, self._pl_merge_layers = None, None
@@ -104,7 +105,7 @@ class WeightUpdateExtension:
             packed = getattr(type(model), "packed_modules_mapping", None) or VLLM_PACKED
             names = [n for n, _ in names_and_shapes]
             writes = loaded_weights(names, packed)
-            base = read_base(lora["model_path"], writes, getattr(torch, lora["dtype"]), device)
+            base = read_base(lora["model_path"], writes, getattr(torch, lora["dtype"]), device, lora["engine_base"])
             self._pl_merge = AdapterMerge(base, float(lora["scaling"]), names, packed)
             self._pl_merge_layers = {fused_module_name(w, packed) for w in writes}
         self.set_weight_load(load)

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from pipelinerl_fsdp.checkpoint_layout import read_meta, step_dir
+from pipelinerl_fsdp.config.lora import TRAINED_STATE_KEYS, LoRAConfig
 from pipelinerl_fsdp.runtime.faults import maybe_fail
 from pipelinerl_fsdp.training.policy import Policy
 
@@ -90,6 +91,20 @@ def write_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def lora_resume_problem(saved: dict[str, Any] | None, now: LoRAConfig | None) -> str | None:
+    """Why a checkpoint saved under `saved` (meta.json's "lora": the whole [lora] section, or None for full
+    weights) cannot resume a job with `now`, or None where it can: the adapters' defining keys must match
+    (`LoRAConfig.trained_state`); the rest of the section may change between attempts."""
+    was = {k: saved.get(k) for k in TRAINED_STATE_KEYS} if saved is not None else None
+    is_ = now.trained_state() if now is not None else None
+    if was == is_:
+        return None
+    return (
+        f"saved with [lora] {was or 'off'}, this job has [lora] {is_ or 'off'}: resume with the adapters it was "
+        "saved with"
+    )
+
+
 def load_checkpoint(
     path: Path,
     model: torch.nn.Module,
@@ -99,14 +114,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG in place (collective); returns the meta dict."""
     meta = read_meta(path)
-    saved = meta.get("lora")
-    trained = getattr(model, "lora", None)
-    now = dataclasses.asdict(trained) if trained is not None else None
-    if saved != now:  # DCP would fail on the keys, or worse load adapters of another shape's name
-        raise ValueError(
-            f"checkpoint {path} was saved with [lora] {saved or 'off'}, this job has [lora] {now or 'off'}: "
-            "resume with the section it was saved with"
-        )
+    problem = lora_resume_problem(meta.get("lora"), getattr(model, "lora", None))
+    if problem:  # DCP would fail on the keys, or worse load adapters of another shape's name
+        raise ValueError(f"checkpoint {path}: {problem}")
     options = state_options(model)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}

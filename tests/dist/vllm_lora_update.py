@@ -32,7 +32,8 @@ from pipelinerl_fsdp.tokenizer import build_char_tokenizer
 from pipelinerl_fsdp.transport.store_group import join_store_group, store_address
 from pipelinerl_fsdp.transport.weights import STOP, UPDATE, WeightSender
 
-LORA = LoRAConfig(enabled=True, rank=4, alpha=16.0, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+TARGETS = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+LORA = LoRAConfig(enabled=True, rank=4, alpha=16.0, target_modules=TARGETS, engine_base="device")
 PROMPTS = [[3, 4, 5, 13], [6, 7, 8, 9, 13], [10, 13], [11, 12, 13]]
 BUCKET = 64 * 1024  # several buckets of whole layers' adapters
 

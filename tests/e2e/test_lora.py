@@ -5,6 +5,7 @@ export is a PEFT adapter folder (its format and merged folder: test_lora_exports
 from __future__ import annotations
 
 import json
+import tomllib
 
 import pytest
 import torch
@@ -58,6 +59,8 @@ def test_a_lora_job_pushes_adapters_that_the_engine_merges_exactly(warm_folder, 
     # base or a missed module reads orders of magnitude more once the adapters have moved
     lag0 = [x["mismatch_abs_log_ratio"] for x in recs[3:] if x["mismatch_abs_log_ratio"] == x["mismatch_abs_log_ratio"]]
     assert lag0 and max(lag0) < 1e-3, lag0
+    # the run's config.toml holds the decided "auto" keys: engines on CPU keep W0 beside their weights
+    assert tomllib.loads((tmp_path / "config.toml").read_text())["lora"]["engine_base"] == "device"
     ck = latest_checkpoint(tmp_path / "checkpoints")
     assert ck is not None and json.loads((ck / "meta.json").read_text())["lora"]["rank"] == RANK
     final = tmp_path / "final"

@@ -3,6 +3,8 @@ per-token activation count against what autograd really keeps for our block, and
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -201,7 +203,7 @@ def test_lora_engine_memory_keeps_w0_of_the_targets_and_receives_only_adapters()
 
     cfg = load_config([*MATH_7B, "--rl.mode=async"])
     args, r = flavour_args("qwen2.5-7b"), 16
-    lora = LoRAConfig(enabled=True, rank=r)
+    lora = LoRAConfig(enabled=True, rank=r, engine_base="device")
     w0 = 28 * sum(i * o for i, o in QWEN7B_LINEARS.values())
     assert w0 == 6_525_288_448  # the design note's 6.53B targeted parameters
     pl = 28 * r * sum(i + o for i, o in QWEN7B_LINEARS.values())
@@ -214,14 +216,23 @@ def test_lora_engine_memory_keeps_w0_of_the_targets_and_receives_only_adapters()
     assert items["weight sync: a whole staged update (rl.mode = 'async')"] == 4 * pl
     assert "LoRA: the base copy W0 of the targeted weights (engine dtype)" not in full
     assert kv == kv_full and items["  of which weights"] == full["  of which weights"]
+    # W0 in host memory: on the GPU only the weight being merged, bf16 (the largest: gate/up 3584 x 18944)
+    host, _, _ = engine_memory(cfg.inference, args, 9216, 80, 1024, True, replace(lora, engine_base="host"))
+    assert "LoRA: the base copy W0 of the targeted weights (engine dtype)" not in host
+    assert host["LoRA: W0 in host memory, one weight of it on the GPU"] == 2 * 3584 * 18944
+    with pytest.raises(ValueError, match="engine_base is still 'auto'"):
+        engine_memory(cfg.inference, args, 9216, 80, 1024, True, replace(lora, engine_base="auto"))
 
 
 def test_the_plan_under_lora_names_the_adapters_and_w0_and_what_to_change():
-    text, problems = make_plan(load_config([*MATH_7B, "--lora.enabled=true"]))
+    w0_line = "| LoRA: the base copy W0 of the targeted weights (engine dtype) | 12.15 |"
+    cfg = load_config([*MATH_7B, "--lora.enabled=true", "--lora.engine_base=device"])
+    text, problems = make_plan(cfg)
     assert "LoRA: rank 16 on q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj: 40.4M adapter" in text
-    assert "| LoRA: the base copy W0 of the targeted weights (engine dtype) | 12.15 |" in text
+    assert w0_line in text
     # math.toml's engines leave 12 GiB beside vLLM's 85%: not the 12.2 GiB of W0
     assert len(problems) == 1 and "LoRA's copy W0" in problems[0] and "lora.target_modules" in problems[0]
+    assert "or set lora.engine_base = 'host'" in problems[0]
     _, problems = make_plan(load_config([*MATH_7B, "--lora.enabled=true", "--inference.gpu_memory_utilization=0.8"]))
     assert problems == []
     qv = '--lora.target_modules=["q_proj","v_proj"]'
@@ -229,6 +240,35 @@ def test_the_plan_under_lora_names_the_adapters_and_w0_and_what_to_change():
     # bf16 q and v of 28 layers, and k: vLLM loads q, k and v into one parameter, k with its W0 (0.86 GiB)
     w0 = 2 * 28 * (3584 * 3584 + 2 * 3584 * 512) / GIB
     assert problems == [] and f"| LoRA: the base copy W0 of the targeted weights (engine dtype) | {w0:.2f} |" in text
+
+
+def test_auto_keeps_w0_on_the_engine_gpu_where_it_fits_and_in_host_memory_where_it_does_not():
+    # math.toml at 7B: W0 (12.15 GiB) does not fit beside vLLM's 85%, so "auto" keeps it in host memory
+    cfg = load_config([*MATH_7B, "--lora.enabled=true"])
+    text, problems = make_plan(cfg)
+    assert problems == [] and cfg.lora.engine_base == "host"
+    assert "| (host memory per engine worker: W0, pinned; not on the GPU) | 12.15 |" in text
+    # 12.15 GiB at 25 GB/s: the estimate the plan prints, computed here from its inputs
+    assert "(lora.engine_base = 'host', chosen by auto): each update moves its 12.15 GiB to the GPU, ~0.5 s" in text
+    # where it fits (vLLM's budget 80%), auto keeps it on the GPU
+    cfg = load_config([*MATH_7B, "--lora.enabled=true", "--inference.gpu_memory_utilization=0.8"])
+    text, _ = make_plan(cfg)
+    assert cfg.lora.engine_base == "device" and "| LoRA: the base copy W0 of the targeted weights" in text
+
+
+def test_engine_base_auto_is_device_off_the_gpu_and_a_set_value_is_kept():
+    from pipelinerl_fsdp.config import LoRAConfig
+    from pipelinerl_fsdp.plan import resolve_engine_base
+
+    lora = LoRAConfig(enabled=True)
+    resolve_engine_base(lora, on_gpu=False)  # an engine off the GPU: host and device are one memory
+    assert lora.engine_base == "device"
+    lora = LoRAConfig(enabled=True, engine_base="host")
+    resolve_engine_base(lora, on_gpu=False)
+    assert lora.engine_base == "host"
+    off = LoRAConfig()
+    resolve_engine_base(off, on_gpu=True)  # LoRA off: nothing to decide (and no plan inputs needed)
+    assert off.engine_base == "auto"
 
 
 def _kept_bytes_lora(args, tokens: int, lora) -> float:

@@ -15,8 +15,10 @@ from pipelinerl_fsdp.inference.engine import EngineSettings, Request
 from pipelinerl_fsdp.inference.lora_merge import (
     VLLM_PACKED,
     AdapterMerge,
+    base_placement,
     fused_module_name,
     loaded_weights,
+    place_base,
     read_base,
 )
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
@@ -164,7 +166,9 @@ def test_a_reference_engine_after_an_adapter_push_equals_one_opened_on_the_merge
     side: `ReferenceEngine.create` under `[lora]`, loading version 1 in flight (`load_update`) and version 2 staged
     (`stage_update` + `apply_staged`). After each, every weight and the greedy tokens and log-probs equal, bit for
     bit, those of a reference engine opened on an HF folder of `merge_adapters` (the same `merged_weight`)."""
-    cfg = LoRAConfig(enabled=True, rank=4, alpha=16.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
+    targets = ["q_proj", "v_proj", "up_proj", "down_proj"]
+    # W0 "in host memory": on a CPU engine the same memory, through the code a GPU engine runs (`place_base`)
+    cfg = LoRAConfig(enabled=True, rank=4, alpha=16.0, target_modules=targets, engine_base="host")
     base = build_model(ARGS, seed=1)
     save_hf_folder(tmp_path / "base", ARGS, base.state_dict())
     trained = copy.deepcopy(base)
@@ -198,3 +202,16 @@ def test_a_reference_engine_after_an_adapter_push_equals_one_opened_on_the_merge
         got = greedy(engine)
         assert got == greedy(reference)  # tokens and log-probs, exactly
         assert got != plain  # the adapters changed the model
+
+
+def test_w0_is_kept_beside_the_served_weights_or_pinned_in_host_memory_and_auto_never_reaches_an_engine():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert base_placement("device", cuda) == (cuda, False)
+    assert base_placement("host", cuda) == (cpu, True)  # pinned: the per-update copies to the GPU run async
+    assert base_placement("device", cpu) == (cpu, False)
+    assert base_placement("host", cpu) == (cpu, False)  # one memory: nothing to pin
+    with pytest.raises(ValueError, match=r"lora.engine_base = 'auto' reached an engine"):
+        base_placement("auto", cpu)
+    w = {"a.weight": torch.randn(3, 2)}
+    placed = place_base(w, "host", cpu)
+    assert torch.equal(placed["a.weight"], w["a.weight"]) and placed["a.weight"].device == cpu

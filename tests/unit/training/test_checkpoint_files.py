@@ -3,6 +3,7 @@ damaged one (a file missing or truncated) is skipped with a reason; metrics afte
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import pytest
 
 from pipelinerl_fsdp.checkpoint_layout import damage, newest_intact, resume_point
 from pipelinerl_fsdp.config import ConfigError
+from pipelinerl_fsdp.config.lora import LoRAConfig
 from pipelinerl_fsdp.configure import load_config
+from pipelinerl_fsdp.training.checkpoint import lora_resume_problem
 from pipelinerl_fsdp.training.metrics import MetricsLogger
 
 
@@ -121,3 +124,22 @@ def test_a_save_that_cannot_write_names_the_folder_and_keeps_the_previous_checkp
     assert skipped == [
         f"checkpoint {tmp_path / 'step-0000008'} skipped: incomplete (no meta.json: the save did not finish)"
     ]
+
+
+def test_a_lora_resume_needs_the_same_adapters_and_nothing_else_of_the_section():
+    saved = dataclasses.asdict(LoRAConfig(enabled=True, rank=16))  # meta.json keeps the whole section
+    # what does not change the saved adapters may change between attempts
+    assert lora_resume_problem(saved, LoRAConfig(enabled=True, rank=16, dropout=0.1, export_merged=True)) is None
+    assert lora_resume_problem(saved, LoRAConfig(enabled=True, rank=16, engine_base="host")) is None
+    assert lora_resume_problem(None, None) is None
+    # what does: shapes, names, the function the adapters compute
+    for other in (
+        LoRAConfig(enabled=True, rank=8),
+        LoRAConfig(enabled=True, rank=16, alpha=16.0),
+        LoRAConfig(enabled=True, rank=16, use_rslora=True),
+        LoRAConfig(enabled=True, rank=16, target_modules=["q_proj", "v_proj"]),
+    ):
+        problem = lora_resume_problem(saved, other)
+        assert problem is not None and "'rank': 16" in problem and "resume with the adapters" in problem
+    assert "[lora] off" in lora_resume_problem(saved, None)
+    assert "saved with [lora] off" in lora_resume_problem(None, LoRAConfig(enabled=True))
