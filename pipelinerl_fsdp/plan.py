@@ -121,8 +121,8 @@ def trainer_memory(
     lora: LoRAConfig | None = None,
 ) -> dict[str, float]:
     """Bytes per trainer GPU by item (see the module docstring). `engine_dtype`: `inference.dtype`, `bucket_mb`:
-    `world.weight_bucket_mb`, `kl_reference`: `rl.kl_coef > 0` (a frozen copy of the policy is kept), `lora`: the
-    `[lora]` section (enabled: only adapters train). The trainer's "auto" keys must be decided first
+    `world.weight_bucket_mb`, `kl_reference`: `rl.kl_coef > 0` (a frozen copy of the policy is kept; none under
+    LoRA), `lora`: the `[lora]` section (enabled: only adapters train). The trainer's "auto" keys must be decided first
     (`resolve_trainer_defaults`)."""
     if tr.micro_batch_tokens == "auto" or tr.defer_grad_sync == "auto":
         raise ValueError("trainer_memory: decide trainer.micro_batch_tokens / defer_grad_sync first")
@@ -163,7 +163,8 @@ def trainer_memory(
     out |= {
         f"gradients{of} (fp32 shard)": 4 * trained / n_trainers,
         f"AdamW state{of} (fp32 shard)": 8 * trained / n_trainers,
-        "KL reference (fp32 shard)": 4 * p / n_trainers if kl_reference else 0.0,
+        # under LoRA the reference is the policy with its adapters off: no copy
+        "KL reference (fp32 shard)": 4 * p / n_trainers if kl_reference and lora is None else 0.0,
         # the block's gradient: of its adapters only under LoRA
         "gathered blocks (2) + block gradient": 2 * (block + block_l) * pbytes + (block_l if lora else block) * rbytes,
         f"root: embeddings + head ({'fp32' if fp32_head else 'param dtype'})": root * (4 if fp32_head else pbytes),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -43,11 +45,29 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, **kw)
         self.scaling = scaling
         self.drop = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.adapted = True  # False inside `adapters_disabled`: the base linear alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = F.linear(x, self.weight, self.bias)
+        if not self.adapted:
+            return base
         update = self.lora_B(self.lora_A(self.drop(x).to(self.lora_A.weight.dtype)))
         return base + (self.scaling * update).to(base.dtype)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Inside, every `LoRALinear` of `model` computes its base linear alone: the model is the frozen base. The KL
+    reference under LoRA is the policy run this way (no second copy of the base); a model without adapters is
+    unchanged."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.adapted = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.adapted = True
 
 
 def is_adapter(name: str) -> bool:

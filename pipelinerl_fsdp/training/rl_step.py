@@ -30,7 +30,9 @@ class RLStep:
     the trainer ranks; None: the default group)."""
 
     policy: Policy
-    ref_model: Transformer | None  # the frozen initial policy (rl.kl_coef > 0), sharded like the trained one
+    # the frozen initial policy (rl.kl_coef > 0), sharded like the trained one; under LoRA the policy's own model,
+    # run with its adapters off (`add_reference_logprobs`)
+    ref_model: Transformer | None
     loss: LossConfig
     kl_coef: float
     trainer: TrainerConfig

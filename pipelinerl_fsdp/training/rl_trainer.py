@@ -360,8 +360,8 @@ def run_trainer(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int)
     model = load_sharded(model_path, world, cfg.trainer, cfg.lora, cfg.job.seed)  # adapters on it under LoRA
     policy = build_policy(model, cfg.trainer.optimizer, rl.max_steps)
     ref_model = None
-    if rl.kl_coef > 0:  # the frozen initial policy (the base, under LoRA), sharded like the trained one
-        ref_model = load_sharded(model_path, world, cfg.trainer).requires_grad_(False)
+    if rl.kl_coef > 0:  # the frozen initial policy, sharded like the trained one; under LoRA the policy, adapters off
+        ref_model = model if cfg.lora.enabled else load_sharded(model_path, world, cfg.trainer).requires_grad_(False)
     step = RLStep(
         policy,
         ref_model,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from pipelinerl_fsdp import records
 from pipelinerl_fsdp.config import LossConfig
 from pipelinerl_fsdp.models.decoder import Transformer
+from pipelinerl_fsdp.models.lora import adapters_disabled
 from pipelinerl_fsdp.rl.batching import RLMicroBatch
 from pipelinerl_fsdp.rl.loss import micro_batch_loss
 from pipelinerl_fsdp.rl.packing import PackedRow
@@ -141,20 +142,23 @@ def add_reference_logprobs(
     device: torch.device,
     chunk_size: int = 1024,
 ) -> None:
-    """Log-probs of the targets under a frozen reference model, stored as the micro-batches' `ref_logp` (lockstep)."""
+    """Log-probs of the targets under a frozen reference model, stored as the micro-batches' `ref_logp` (lockstep).
+    Under LoRA `ref_model` may be the policy itself: its adapters are off here (`adapters_disabled`), so it is the
+    base."""
     n = agree_max(len(micro_batches), group)
     for i in range(n):
         mb: PackedRow = micro_batches[i] if i < len(micro_batches) else _dummy_micro_batch(device)
-        logp, _ = ref_model(
-            mb.input_ids,
-            mb.position_ids,
-            targets=mb.targets,
-            temperature=temperature,
-            logprob_chunk_size=chunk_size,
-            logprob_positions=mb.logprob_positions(),
-            documents=mb.documents,
-            logprob_index=mb.logprob_index,
-        )
+        with torch.no_grad(), adapters_disabled(ref_model):
+            logp, _ = ref_model(
+                mb.input_ids,
+                mb.position_ids,
+                targets=mb.targets,
+                temperature=temperature,
+                logprob_chunk_size=chunk_size,
+                logprob_positions=mb.logprob_positions(),
+                documents=mb.documents,
+                logprob_index=mb.logprob_index,
+            )
         if i < len(micro_batches):
             micro_batches[i].loss_input.ref_logp = logp[0]
 

@@ -5,7 +5,6 @@ export is a PEFT adapter folder (its format and merged folder: test_lora_exports
 from __future__ import annotations
 
 import json
-import tomllib
 
 import pytest
 import torch
@@ -44,6 +43,7 @@ def test_a_lora_job_pushes_adapters_that_the_engine_merges_exactly(warm_folder, 
         f"--lora.rank={RANK}",
         "--trainer.optimizer.lr=1e-3",  # adapters that move in 12 steps, so a wrong merge would show
         "--trainer.optimizer.warmup_steps=0",
+        "--rl.kl_coef=0.001",  # the KL reference: the policy with its adapters off
         "--checkpoint.interval=6",
         "--metrics.log_every=1",
         timeout=600,
@@ -60,7 +60,10 @@ def test_a_lora_job_pushes_adapters_that_the_engine_merges_exactly(warm_folder, 
     lag0 = [x["mismatch_abs_log_ratio"] for x in recs[3:] if x["mismatch_abs_log_ratio"] == x["mismatch_abs_log_ratio"]]
     assert lag0 and max(lag0) < 1e-3, lag0
     # the run's config.toml holds the decided "auto" keys: engines on CPU keep W0 beside their weights
-    assert tomllib.loads((tmp_path / "config.toml").read_text())["lora"]["engine_base"] == "device"
+    assert 'engine_base = "device"' in (tmp_path / "config.toml").read_text()
+    # KL to the base: exactly 0 while B = 0 (the first step's policy is the base), > 0 once the adapters moved (a
+    # reference that kept its adapters on would read 0 throughout)
+    assert recs[0]["kl"] == 0.0 and recs[-1]["kl"] > 1e-6, [x["kl"] for x in recs]
     ck = latest_checkpoint(tmp_path / "checkpoints")
     assert ck is not None and json.loads((ck / "meta.json").read_text())["lora"]["rank"] == RANK
     final = tmp_path / "final"
