@@ -392,11 +392,10 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
         )
     max_len = engine_max_model_len(inf, cfg.task)
     staged, auto = cfg.rl.mode == "async", lora is not None and lora.engine_base == "auto"
+    bucket_mb = cfg.world.weight_bucket_mb
     if lora is not None:
-        resolve_engine_base(lora, True, inf, args, pl.gpu_memory_gib, cfg.world.weight_bucket_mb, staged)
-    eng, kv_tokens, wanted = engine_memory(
-        inf, args, max_len, pl.gpu_memory_gib, cfg.world.weight_bucket_mb, cfg.rl.mode == "async", lora
-    )
+        resolve_engine_base(lora, True, inf, args, pl.gpu_memory_gib, bucket_mb, staged)
+    eng, kv_tokens, wanted = engine_memory(inf, args, max_len, pl.gpu_memory_gib, bucket_mb, staged, lora)
     lines += [
         "",
         f"engine GPU (vLLM, tensor_parallel_size {inf.tensor_parallel_size}, max_model_len {max_len}):",
