@@ -284,7 +284,8 @@ def resolve_engine_base(
     staged_update: bool = False,
 ) -> None:
     """Decide `lora.engine_base` where it is "auto": "device" for engines off the GPU (host and device are one
-    memory there) and where the engine GPU fits with W0 (`engine_memory`'s items within `gpu_memory_gib`), else
+    memory there) and where the engine GPU fits with W0 (`engine_memory`'s items within AUTO_MEMORY_SHARE of
+    `gpu_memory_gib`: the estimate leaves out the allocator's fragmentation), else
     "host" (W0 pinned in host memory, each weight moved to the GPU as it is merged). The other arguments are
     `engine_memory`'s, needed only `on_gpu` (not max_model_len: vLLM's budget is a share of the GPU whatever the
     length, so the engine's total does not depend on it). Called before the run's config.toml is written, so that
@@ -295,7 +296,7 @@ def resolve_engine_base(
     if on_gpu:
         assert inf is not None and args is not None, "a GPU engine's choice needs its memory plan's inputs"
         items, _, _ = engine_memory(inf, args, 0, gpu_memory_gib, bucket_mb, staged_update, lora)
-        if _total(items) > gpu_memory_gib * GIB:
+        if _total(items) > AUTO_MEMORY_SHARE * gpu_memory_gib * GIB:  # the trainer's "auto" keeps this margin too
             lora.engine_base = "host"
 
 

@@ -39,7 +39,9 @@ class LoRAConfig:
     def trained_state(self) -> dict[str, object]:
         """The keys that define what a checkpoint's adapters are (their shapes, their names, the function they
         compute): a resume must match these; dropout, exports and where the engines keep W0 may change."""
-        return {k: getattr(self, k) for k in TRAINED_STATE_KEYS}
+        state = {k: getattr(self, k) for k in TRAINED_STATE_KEYS}
+        state["target_modules"] = sorted(self.target_modules)  # the layout follows the model, not the list's order
+        return state
 
     @property
     def scaling(self) -> float:

@@ -79,6 +79,13 @@ def check_rules(cfg: Config) -> None:
             "lora.enabled = true trains adapters in the RL stage; the warm start (job.stage = 'warmstart') trains "
             "the full model: turn [lora] off for it"
         )
+    if cfg.lora.enabled and cfg.lora.dropout > 0:
+        # the engines serve the merged weights without dropout and the KL reference runs with the adapters off
+        raise ConfigError(
+            f"lora.dropout = {cfg.lora.dropout}: dropout in the trainer's forward would put its noise into the "
+            "importance ratio pi_theta / mu (the engines sample without it) and into the mismatch metrics; RL with "
+            "LoRA here needs lora.dropout = 0"
+        )
     if cfg.lora.enabled and rl.mode == "colocated":
         raise ConfigError(
             "lora.enabled = true is not supported with rl.mode = 'colocated' (its single process copies the full "

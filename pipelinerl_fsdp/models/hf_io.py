@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,6 +68,25 @@ def _shard_files(folder: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")
     return files
+
+
+def weights_fingerprint(folder: str | Path, head_bytes: int = 1 << 20, samples: int = 32) -> str:
+    """A short hash of an HF folder's weights: config.json and, for every weight file, its name, size, first
+    `head_bytes` (the safetensors header: every tensor's name, shape, dtype and offsets) and `samples` 64 KiB
+    chunks spread evenly over the rest (so two models that share their first tensors, e.g. a base and the merge of
+    an adapter into it, still differ). Cheap at any model size; it changes when the folder holds other weights,
+    not when it is moved or copied."""
+    folder = Path(folder)
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for f in _shard_files(folder):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}:".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(head_bytes))
+            for i in range(samples):
+                fh.seek(head_bytes + (size - head_bytes) * i // samples if size > head_bytes else size)
+                h.update(fh.read(1 << 16))
+    return h.hexdigest()[:16]
 
 
 def read_state_dict(folder: str | Path) -> dict[str, torch.Tensor]:

@@ -72,14 +72,23 @@ def read_adapter_folder(folder: str | Path) -> tuple[LoRAConfig, dict[str, torch
     if meta.get("peft_type") != "LORA" or meta.get("use_dora") or meta.get("bias", "none") != "none":
         raise ValueError(f"{folder / ADAPTER_CONFIG}: not a plain LoRA adapter (peft_type LORA, no DoRA, no bias)")
     targets = meta["target_modules"]
+    # what PEFT can express and one scaling per model cannot: per-module ranks or alphas, a subset of layers, a
+    # regular expression over module names (a string `target_modules`)
+    special = [k for k in ("rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern") if meta.get(k)]
+    if special or isinstance(targets, str):
+        what = special + (["target_modules as a regular expression"] if isinstance(targets, str) else [])
+        raise ValueError(f"{folder / ADAPTER_CONFIG}: {', '.join(what)}: only one rank and alpha for a list of modules")
     cfg = LoRAConfig(
         enabled=True,
         rank=int(meta["r"]),
         alpha=float(meta["lora_alpha"]),
         dropout=float(meta.get("lora_dropout", 0.0)),
-        target_modules=[targets] if isinstance(targets, str) else list(targets),
+        target_modules=list(targets),
         use_rslora=bool(meta.get("use_rslora", False)),
     )
+    problems = cfg.check()
+    if problems:
+        raise ValueError(f"{folder / ADAPTER_CONFIG}: " + "; ".join(f"{k} must be {why}" for k, why in problems))
     raw = load_file(str(folder / ADAPTER_WEIGHTS))
     foreign = [k for k in raw if not k.startswith(PEFT_PREFIX)]
     if foreign:

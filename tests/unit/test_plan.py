@@ -250,10 +250,15 @@ def test_auto_keeps_w0_on_the_engine_gpu_where_it_fits_and_in_host_memory_where_
     assert "| (host memory per engine worker: W0, pinned; not on the GPU) | 12.15 |" in text
     # 12.15 GiB at 25 GB/s: the estimate the plan prints, computed here from its inputs
     assert "(lora.engine_base = 'host', chosen by auto): each update moves its 12.15 GiB to the GPU, ~0.5 s" in text
-    # where it fits (vLLM's budget 80%), auto keeps it on the GPU
+    # "device" where it fits within 90% of the GPU (as the trainer's "auto" keys): vLLM's budget 80% plans 78.56
+    # GiB, not within 72, so host again; at 70% 70.56, device
     cfg = load_config([*MATH_7B, "--lora.enabled=true", "--inference.gpu_memory_utilization=0.8"])
+    make_plan(cfg)
+    assert cfg.lora.engine_base == "host"
+    cfg = load_config([*MATH_7B, "--lora.enabled=true", "--inference.gpu_memory_utilization=0.7"])
     text, _ = make_plan(cfg)
     assert cfg.lora.engine_base == "device" and "| LoRA: the base copy W0 of the targeted weights" in text
+    assert "| **total** | **70.56** of 80 |" in text
 
 
 def test_engine_base_auto_is_device_off_the_gpu_and_a_set_value_is_kept():

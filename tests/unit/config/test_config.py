@@ -184,6 +184,8 @@ def test_math_configs_load_once_paths_are_set(tmp_path, name):
         (["--lora.target_modules=[]"], r"lora.target_modules = \[\] must be a non-empty list"),
         (['--lora.target_modules=["q_proj","q_proj"]'], r"lora.target_modules .* without repeats"),
         (["--lora.rank=0"], r"lora.rank = 0 must be >= 1"),
+        (["--lora.dropout=0.05"], r"lora.dropout = 0.05: dropout in the trainer's forward .* importance ratio"),
+        (["--lora.engine_base=gpu"], r"lora.engine_base = 'gpu' must be one of \['auto', 'device', 'host'\]"),
         (["--job.stage=warmstart"], r"lora.enabled = true trains adapters in the RL stage"),
         (["--rl.mode=colocated"], r"lora.enabled = true is not supported with rl.mode = 'colocated'"),
         (

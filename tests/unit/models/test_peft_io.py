@@ -149,3 +149,17 @@ def test_a_folder_that_is_neither_or_has_no_base_here_is_named(tmp_path, exporte
     (folder / ADAPTER_CONFIG).write_text(json.dumps({**meta, "use_dora": True}))
     with pytest.raises(ValueError, match="not a plain LoRA"):
         read_adapter_folder(folder)
+    # what one rank, one alpha and a list of our linears cannot express is refused, named, not merged wrongly
+    for extra, named in (
+        ({"rank_pattern": {"q_proj": 8}}, "rank_pattern"),
+        ({"alpha_pattern": {"v_proj": 4.0}}, "alpha_pattern"),
+        ({"layers_to_transform": [0]}, "layers_to_transform"),
+        ({"target_modules": ".*q_proj"}, "target_modules as a regular expression"),
+        ({"target_modules": ["q_proj", "qkv_proj"]}, r"target_modules must be .*unknown: \['qkv_proj'\]"),
+    ):
+        (folder / ADAPTER_CONFIG).write_text(json.dumps({**meta, **extra}))
+        with pytest.raises(ValueError, match=named):
+            read_adapter_folder(folder)
+    # PEFT's empty defaults are the plain case
+    (folder / ADAPTER_CONFIG).write_text(json.dumps({**meta, "rank_pattern": {}, "layers_to_transform": None}))
+    assert read_adapter_folder(folder)[0].rank == CFG.rank

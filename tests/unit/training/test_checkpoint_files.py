@@ -143,3 +143,30 @@ def test_a_lora_resume_needs_the_same_adapters_and_nothing_else_of_the_section()
         assert problem is not None and "'rank': 16" in problem and "resume with the adapters" in problem
     assert "[lora] off" in lora_resume_problem(saved, None)
     assert "saved with [lora] off" in lora_resume_problem(None, LoRAConfig(enabled=True))
+    # the same targets listed in another order are the same adapters (the layout follows the model)
+    shuffled = LoRAConfig(enabled=True, rank=16, target_modules=list(reversed(saved["target_modules"])))
+    assert lora_resume_problem(saved, shuffled) is None
+    # and the base they adapt must be the same weights (a checkpoint from before the hash was recorded: unchecked)
+    now = LoRAConfig(enabled=True, rank=16)
+    assert lora_resume_problem(saved, now, "aaaa", "aaaa") is None
+    assert lora_resume_problem(saved, now, None, "bbbb") is None
+    problem = lora_resume_problem(saved, now, "aaaa", "bbbb")
+    assert problem is not None and "hash to aaaa" in problem and "hashes to bbbb" in problem
+
+
+def test_a_weights_fingerprint_follows_the_weights_not_the_folder(tmp_path):
+    from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
+    from pipelinerl_fsdp.models.hf_io import weights_fingerprint
+
+    args = flavour_args("debug-llama", vocab_size=32, num_hidden_layers=2)
+    save_hf_folder(tmp_path / "a", args, build_model(args, seed=0).state_dict())
+    save_hf_folder(tmp_path / "b", args, build_model(args, seed=1).state_dict())  # same shapes, other values
+    first = weights_fingerprint(tmp_path / "a")
+    (tmp_path / "a").rename(tmp_path / "moved")
+    assert weights_fingerprint(tmp_path / "moved") == first
+    assert weights_fingerprint(tmp_path / "b") != first
+    # one tensor changed past the header (a base and the same base with one linear merged): another hash
+    state = build_model(args, seed=0).state_dict()
+    state["model.layers.1.mlp.down_proj.weight"] = state["model.layers.1.mlp.down_proj.weight"] + 1.0
+    save_hf_folder(tmp_path / "c", args, state)
+    assert weights_fingerprint(tmp_path / "c", head_bytes=1024) != weights_fingerprint(tmp_path / "moved", 1024)
