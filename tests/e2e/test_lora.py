@@ -61,9 +61,11 @@ def test_a_lora_job_pushes_adapters_that_the_engine_merges_exactly(warm_folder, 
     assert lag0 and max(lag0) < 1e-3, lag0
     # the run's config.toml holds the decided "auto" keys: engines on CPU keep W0 beside their weights
     assert 'engine_base = "device"' in (tmp_path / "config.toml").read_text()
-    # KL to the base: exactly 0 while B = 0 (the first step's policy is the base), > 0 once the adapters moved (a
-    # reference that kept its adapters on would read 0 throughout)
-    assert recs[0]["kl"] == 0.0 and recs[-1]["kl"] > 1e-6, [x["kl"] for x in recs]
+    # KL to the base on the sampled tokens (k3): exactly 0 while B = 0 (the first step's policy is the base); from
+    # step 6 on far above what the lag-0 bound above allows engine against trainer (measured 0.22-2.3; a reference
+    # that kept its adapters on would read 0 throughout)
+    kl = [x["kl"] for x in recs]
+    assert kl[0] == 0.0 and min(kl[5:]) > 1e-2, kl
     ck = latest_checkpoint(tmp_path / "checkpoints")
     assert ck is not None and json.loads((ck / "meta.json").read_text())["lora"]["rank"] == RANK
     final = tmp_path / "final"
