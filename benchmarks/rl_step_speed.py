@@ -10,12 +10,25 @@ AdamW; the model built from a named shape with random weights and sharded as the
     python -m benchmarks.rl_step_speed --flavour qwen2.5-0.5b                    # GPU: 4 x 32k tokens per step
     python -m benchmarks.rl_step_speed --flavour qwen2.5-1.5b --checkpointing
     python -m benchmarks.rl_step_speed --flavour smollm2-135m --quick            # CPU (fp32)
+    python -m benchmarks.rl_step_speed --flavour qwen2.5-0.5b --lora-rank 16     # LoRA: the adapters train
+
+--lora-rank R builds the model as the trainer does under `[lora]` (`training.policy.adapt`: adapters with alpha 32 on
+all seven linears of every layer, as train_configs/lora.toml; everything else frozen and stored in
+`frozen_base_dtype`, bf16 on a GPU; the adapters fp32), shards it, gives the adapters PEFT's initial values (B zero:
+the step's FLOPs are the same whatever the values) and optimises the adapters only (`build_policy`).
 
 FLOPs per step, exact for the packed rows (model FLOPs: the recomputation of activation checkpointing and of the
 chunked log-probs' backward is not counted): the blocks' matrix products 6 x (block matmul parameters) x tokens;
 causal attention 12 x heads x head_dim x (L(L+1)/2 per document of L positions) per layer (forward QK^T and PV,
 twice that backward); the output head 6 x hidden x vocab at the positions it runs (the completion tokens only).
-`6N` (N every parameter, embeddings once) x tokens is printed beside it. MFU = FLOPs / step time / the device's
+`6N` (N every parameter, embeddings once) x tokens is printed beside it.
+Under LoRA the base is frozen, the head and embeddings included (only the seven linears of the blocks are targeted):
+its matrix products need the forward (2x) and the input gradient (2x) but no weight gradient, so the blocks count
+4 x (block matmul parameters) x tokens and the head 4 x hidden x vocab per head position; attention is unchanged;
+each adapted linear of in -> out adds 2 r (in + out) per token forward (x A^T, then B^T) and 4 r (in + out) backward
+(the gradient of A's output and of B, of A and of the input). In the first layer the input of q, k and v (the normed
+embeddings) needs no gradient (nothing before it trains) and autograd computes none: minus 2 x hidden x (q + k + v
+widths) per token from the blocks and 2 r x hidden x 3 from the adapters. MFU = FLOPs / step time / the device's
 dense bf16 peak (H100 and H200 SXM: 989 TFLOP/s; --peak-tflops for others); on CPU the fraction of this
 machine's measured fp32 matrix-product rate at the model's shapes (`step_vs_plain.matmul_gflops`).
 `plan_gib`: what `--job.stage=plan` predicts for this step on one rank (weight sync and CUDA context left out),
@@ -39,6 +52,7 @@ import torch.distributed as dist
 
 from benchmarks.harness import RESULTS, report
 from benchmarks.step_vs_plain import matmul_gflops
+from pipelinerl_fsdp.config import LoRAConfig
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.models.args import ModelArgs
@@ -104,18 +118,28 @@ def rl_samples(rng: random.Random, tokens: int, budget: int, max_completion: int
     return out
 
 
-def step_flops(args: ModelArgs, doc_positions: list[int], head_tokens: int) -> dict[str, float]:
+def step_flops(args: ModelArgs, doc_positions: list[int], head_tokens: int, lora_rank: int = 0) -> dict[str, float]:
     """Model FLOPs of one forward + backward (see the module docstring) over packed documents of the given
-    positions (a document of n tokens has n - 1), the head at `head_tokens` positions."""
+    positions (a document of n tokens has n - 1), the head at `head_tokens` positions; with `lora_rank` > 0 the base
+    frozen and adapters of that rank on all seven linears of every layer (an `adapters` item)."""
     hd = args.head_dim or args.hidden_size // args.num_attention_heads
     h, heads, kv, layers = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.num_hidden_layers
-    block_matmul = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * args.intermediate_size
+    inter = args.intermediate_size
+    block_matmul = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * inter
     tokens = sum(doc_positions)
     pairs = sum(n * (n + 1) // 2 for n in doc_positions)  # (query, key) pairs causal attention computes
+    attention = 12.0 * layers * heads * hd * pairs
+    if lora_rank == 0:
+        return {"blocks": 6.0 * layers * block_matmul * tokens, "attention": attention,
+                "head": 6.0 * h * args.vocab_size * head_tokens}  # fmt: skip
+    qkv = (heads + 2 * kv) * hd  # the output widths of q, k, v; their input is h
+    widths = 7 * h + 2 * heads * hd + 2 * kv * hd + 3 * inter  # in + out summed over the seven linears
+    r = lora_rank
     return {
-        "blocks": 6.0 * layers * block_matmul * tokens,
-        "attention": 12.0 * layers * heads * hd * pairs,
-        "head": 6.0 * h * args.vocab_size * head_tokens,
+        "blocks": 4.0 * layers * block_matmul * tokens - 2.0 * h * qkv * tokens,
+        "attention": attention,
+        "head": 4.0 * h * args.vocab_size * head_tokens,
+        "adapters": 6.0 * r * widths * layers * tokens - 2.0 * r * h * 3 * tokens,
     }
 
 
@@ -146,6 +170,10 @@ def main() -> None:
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--defer-grad-sync", choices=["true", "false"], default="true")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (alpha 32, all seven "
+                   "linears) train, the base frozen (0: full fine-tuning)")  # fmt: skip
+    p.add_argument("--param-dtype", default="auto", help="trainer.param_dtype (auto: bf16 on GPU, fp32 on CPU; "
+                   "the CPU rehearsal of the GPU's bf16 frozen base: bfloat16)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="CPU size: about 2 x 512 tokens, 1 + 2 steps")
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--threads", type=int, default=0, help="torch threads (job.threads_per_rank; 0: every core)")
@@ -173,18 +201,26 @@ def main() -> None:
             f"--trainer.defer_grad_sync={a.defer_grad_sync}",
             f"--trainer.activation_checkpointing={'full' if a.checkpointing else 'off'}",
             f"--trainer.compile={a.compile}",
+            f"--trainer.param_dtype={a.param_dtype}",
             "--trainer.optimizer.warmup_steps=0",
             f"--job.threads_per_rank={a.threads}",
         ]
     )
     from pipelinerl_fsdp.job.world import init_world
-    from pipelinerl_fsdp.training.policy import build_policy, shard
+    from pipelinerl_fsdp.models.lora import init_adapters
+    from pipelinerl_fsdp.training.policy import adapt, build_policy, shard
     from pipelinerl_fsdp.training.rl_step import RLStep
 
     world = init_world(cfg)
     device = world.device
     cuda = device.type == "cuda"
-    model = shard(build_model(args, seed=a.seed), world, cfg.trainer)
+    lora = LoRAConfig(enabled=True, rank=a.lora_rank, alpha=32.0) if a.lora_rank > 0 else None
+    model = build_model(args, seed=a.seed)
+    if lora is not None:  # as `policy.load_sharded` builds it: adapters, the base frozen in its compute dtype
+        adapt(model, lora, resolve_param_dtype(cfg.trainer.param_dtype, device))
+    model = shard(model, world, cfg.trainer)
+    if lora is not None:
+        init_adapters(model, a.seed)
     policy = build_policy(model, cfg.trainer.optimizer, a.warmup + a.steps + 1)
     step = RLStep(policy, None, cfg.loss, 0.0, cfg.trainer, 1.0, world.trainer_group, device, 1)
     rng = random.Random(a.seed)
@@ -194,7 +230,7 @@ def main() -> None:
     micro = rl_micro_batches(samples, a.micro_batch_tokens, torch.device("cpu"), VERSION)
     docs = [n for mb in micro for n in documents(mb.position_ids)]
     head_tokens = int(sum(float(mb.loss_input.mask.sum()) for mb in micro))
-    flops = step_flops(args, docs, head_tokens)
+    flops = step_flops(args, docs, head_tokens, a.lora_rank)
     times: list[float] = []
     for i in range(a.warmup + a.steps):
         if i == a.warmup and cuda:
@@ -222,11 +258,13 @@ def main() -> None:
     qkv = (args.num_attention_heads + 2 * args.num_key_value_heads) * (args.head_dim or h // args.num_attention_heads)
     cpu_rate = None if cuda else matmul_gflops(min(tokens, 2048), [(h, qkv), (h, inter), (inter, h), (h, v)]) * 1e9
     dtype = str(resolve_param_dtype(cfg.trainer.param_dtype, device)).removeprefix("torch.")
-    plan_items = trainer_memory(replace(cfg.trainer, param_dtype=dtype), args, 1, a.checkpointing)
+    plan_items = trainer_memory(replace(cfg.trainer, param_dtype=dtype), args, 1, a.checkpointing, lora=lora)
     plan = sum(x for k, x in plan_items.items() if not k.startswith(("weight sync", "CUDA context")))
     row = {
         "shape": a.model.name if a.model else a.flavour,
         "params_m": round(args.num_params() / 1e6, 1),
+        "lora_rank": a.lora_rank,
+        "trained_params_m": round(sum(p.numel() for p in policy.model.parameters() if p.requires_grad) / 1e6, 2),
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "dtype": dtype,
         "compile": resolve_compile(a.compile, device),
@@ -241,6 +279,7 @@ def main() -> None:
         "tokens_per_s": round(tokens / secs, 1),
         "tflop_step": round(total / 1e12, 3),
         "tflop_blocks_attention_head": [round(flops[k] / 1e12, 3) for k in ("blocks", "attention", "head")],
+        "tflop_adapters": round(flops.get("adapters", 0.0) / 1e12, 4),
         "tflop_6n": round(6 * args.num_params() * tokens / 1e12, 3),
         "achieved_tflop_s": round(total / secs / 1e12, 3),
         "mfu": round(total / secs / (peak * 1e12), 4) if peak else None,

@@ -69,6 +69,17 @@ def frozen_base_dtype(lora: LoRAConfig | None, param_dtype: torch.dtype) -> torc
     return param_dtype if lora is not None and lora.enabled else torch.float32
 
 
+def adapt(model: Transformer, lora: LoRAConfig, param_dtype: torch.dtype) -> None:
+    """LoRA on a built, unsharded model (on the meta device or materialised): adapters on the targeted linears
+    (`apply_lora`), everything else frozen and stored in `frozen_base_dtype`. The adapters still need
+    `init_adapters` once the model is sharded and materialised."""
+    apply_lora(model, lora)
+    base = frozen_base_dtype(lora, param_dtype)
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(base)
+
+
 def load_sharded(
     folder: str | Path, world: World, trainer: TrainerConfig, lora: LoRAConfig | None = None, seed: int = 0
 ) -> Transformer:
@@ -79,11 +90,7 @@ def load_sharded(
     with torch.device("meta"):
         model = Transformer(read_model_args(folder))
     if lora is not None and lora.enabled:
-        apply_lora(model, lora)
-        base = frozen_base_dtype(lora, resolve_param_dtype(trainer.param_dtype, world.device))
-        for p in model.parameters():
-            if not p.requires_grad:
-                p.data = p.data.to(base)
+        adapt(model, lora, resolve_param_dtype(trainer.param_dtype, world.device))
     _parallelize(model, world, trainer)
     model.to_empty(device=world.device)
     load_shards_into(model, folder)

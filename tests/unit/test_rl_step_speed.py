@@ -41,3 +41,18 @@ def test_step_flops_count_each_part_at_the_positions_it_runs():
 
 def test_documents_are_read_from_the_restarting_positions():
     assert documents(torch.tensor([[0, 1, 2, 0, 1, 0]])) == [3, 2, 1]
+
+
+def test_lora_step_flops_freeze_the_base_and_add_the_adapters():
+    """The debug shape (hidden 128, MLP 384, 4 layers, 4 heads of 32, 2 kv heads, vocab 32), rank 2, documents of 3
+    and 5 positions, the head at 4: every number below worked out by hand."""
+    f = step_flops(flavour_args("debug"), [3, 5], head_tokens=4, lora_rank=2)
+    # block products q 16,384 + k, v 2 x 8,192 + o 16,384 + MLP 3 x 49,152 = 196,608; frozen: 4 x 196,608 x 4 layers
+    # x 8 tokens = 25,165,824; the first layer's q, k, v get no input gradient: 2 x 128 x (128 + 64 + 64) x 8 = 524,288
+    assert f["blocks"] == 24_641_536
+    # (in + out) over the seven linears: q 256, k 192, v 192, o 256, gate 512, up 512, down 512 = 2,432 per layer;
+    # 6 x 2 x 2,432 x 4 x 8 = 933,888, less the first layer's A input gradients of q, k, v: 2 x 2 x 128 x 3 x 8
+    assert f["adapters"] == 933_888 - 12_288
+    assert f["head"] == 4 * 128 * 32 * 4  # frozen: forward and input gradient only
+    assert f["attention"] == 129_024  # unchanged: 12 x 4 layers x 128 x 21 pairs
+    assert "adapters" not in step_flops(flavour_args("debug"), [3, 5], head_tokens=4)
