@@ -1,9 +1,10 @@
 """The GPU check for the machine we are lent: one CUDA GPU, its own Python image (no vLLM, torchdata travelling as
-a wheel, no network), one call of at most 8 minutes. It runs what no CPU test can show and writes one table
-(`gpu_check.md`) and one JSON (`gpu_check.json`); each part's log lies beside them.
+a wheel, no network), one call of at most 10 minutes. It runs what no CPU test can show and writes one table
+(`gpu_check.md`) and one JSON (`gpu_check.json`), rewritten before each part starts; each part's log lies beside
+them. The parts' limits together exceed one call: `--parts` picks groups, `--budget-s` cuts the limits to fit.
 
-    bash scripts/gpu_check.sh [OUT]           # on the GPU machine (see scripts/gpu_check.sh)
-    bash scripts/gpu_check.sh --cpu [OUT]     # the rehearsal on a CPU machine: the same parts, small shapes
+    bash scripts/gpu_check.sh [OUT] [--parts lora,rl_step] [--budget-s 520]   # on the GPU machine
+    bash scripts/gpu_check.sh --cpu [OUT] [--parts ...]   # the rehearsal on a CPU machine: the same parts, small shapes
 
 Parts:
   startup_landed  the process-group calls of the code before the fix, on a trainer rank on CUDA and a CPU-only
@@ -18,6 +19,13 @@ Parts:
                   checkpointing: tokens/s, MFU, peak memory next to the plan's prediction, the SDPA kernel
   attention       attention over packed documents (Qwen2.5-0.5B heads, 32k tokens, documents up to 8k, bf16): the
                   one varlen kernel against the per-document loop, values and gradients against fp32, times, syncs
+  rl_step_05b,    the job's RL step (RLStep) on random Qwen2.5-0.5B / 1.5B weights, 4 x 32k tokens of an RL
+  rl_step_05b_eager, rl_step_15b   length mix: tokens/s, exact FLOPs, MFU, peak memory against the plan; compiled
+                  (with a profile), eager, and 1.5B with activation checkpointing
+  lora_step_05b   the same step under LoRA (rank 16, alpha 32, all seven linears): the bf16 frozen base and fp32
+                  adapters under FSDP2 on CUDA, AdamW over the adapters: tokens/s, LoRA FLOPs, MFU, memory vs plan
+  lora_merge      one engine update of Qwen2.5-7B's adapters merged on CUDA through `AdapterMerge` (bf16 W0 on the
+                  GPU, then in pinned host memory): ms per update against the traffic and H2D bounds
   vllm_*          only where CUDA vLLM is installed (not on the lent machine): vLLM against the reference engine,
                   and a weight update into a CUDA vLLM engine while it generates
 """
@@ -32,22 +40,56 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MIN_PART_S = 20  # under --budget-s, a part with less time than this left is skipped
 
 
-def run(name: str, cmd: list[str], out: Path, limit_s: float, env: dict[str, str]) -> dict:
-    """Run one part with its time limit; its output goes to OUT/name.log."""
-    log = out / f"{name}.log"
-    t0 = time.perf_counter()
-    with log.open("w") as f:
-        try:
-            p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=limit_s)
-            status = "ok" if p.returncode == 0 else f"failed (exit {p.returncode})"
-        except subprocess.TimeoutExpired:
-            status = f"hung (killed after {limit_s:.0f} s)"
-    return {"part": name, "status": status, "wall_s": round(time.perf_counter() - t0, 1), "log": log.name}
+@dataclass
+class Runner:
+    """Runs the parts: each with its time limit, cut to what is left of --budget-s (a part with under
+    `min_part_s` left is skipped), the table of the parts so far written before each starts (a call killed from
+    outside still leaves it)."""
+
+    out: Path
+    env: dict[str, str]
+    info: dict[str, str]
+    deadline: float | None  # time.monotonic() by which every part must have ended
+    rows: list[dict] = field(default_factory=list)
+    min_part_s: float = MIN_PART_S
+
+    def __call__(self, name: str, cmd: list[str], limit_s: float) -> dict:
+        """Run one part; its output goes to OUT/name.log."""
+        write_table(self.out, self.info, self.rows)
+        log = self.out / f"{name}.log"
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left < self.min_part_s:
+                return {"part": name, "status": f"skipped (budget: {max(left, 0):.0f} s left)", "wall_s": 0.0}
+            limit_s = min(limit_s, left)
+        t0 = time.perf_counter()
+        with log.open("w") as f:
+            try:
+                p = subprocess.run(cmd, cwd=ROOT, env=self.env, stdout=f, stderr=subprocess.STDOUT, timeout=limit_s)
+                status = "ok" if p.returncode == 0 else f"failed (exit {p.returncode})"
+            except subprocess.TimeoutExpired:
+                status = f"hung (killed after {limit_s:.0f} s)"
+        return {"part": name, "status": status, "wall_s": round(time.perf_counter() - t0, 1), "log": log.name}
+
+
+def write_table(out: Path, info: dict[str, str], rows: list[dict]) -> str:
+    """gpu_check.md (one table, a column per key any row has) and gpu_check.json; returns the table's text."""
+    keys: list[str] = []
+    for r in rows:
+        keys += [k for k in r if k not in keys and k != "log"]
+    table = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    table += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    text = f"GPU check on {info['device']}, Python {info['python']}, torch {info['torch']}\n\n" + "\n".join(table)
+    (out / "gpu_check.md").write_text(text + "\n")
+    (out / "gpu_check.json").write_text(json.dumps({"machine": info, "parts": rows}, indent=2))
+    return text
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
@@ -55,7 +97,7 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 
 
 # the parts, by group (--parts)
-GROUPS = ("startup", "job", "ess", "step", "attention", "rl_step", "vllm")
+GROUPS = ("startup", "job", "ess", "step", "attention", "lora", "rl_step", "vllm")  # the order they run in
 
 
 def records(path: Path) -> list[dict]:
@@ -103,7 +145,15 @@ def main() -> None:
         help=f"comma list of part groups to run: {', '.join(GROUPS)} (default: all); the job's warm start comes "
         "from `job`, which the `ess` parts need",
     )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="the whole check ends within this many seconds: each part's limit is cut to what is left, parts "
+        "that would start with under 20 s are skipped (set it below the device call's timeout)",
+    )
     a = p.parse_args()
+    t_start = time.monotonic()
     groups = set(GROUPS) if a.parts == "all" else set(a.parts.split(","))
     if groups - set(GROUPS):
         raise SystemExit(f"--parts: unknown {sorted(groups - set(GROUPS))}; choose from {', '.join(GROUPS)}")
@@ -122,11 +172,13 @@ def main() -> None:
         "torch": torch.__version__,
     }
     print(json.dumps(info), flush=True)
-    rows: list[dict] = []
+    deadline = None if a.budget_s is None else t_start + a.budget_s
+    run = Runner(out, env, info, deadline)
+    rows = run.rows
     probe = [str(ROOT / "scripts" / "startup_probe.py"), "--device", device]
     if "startup" in groups:
-        rows.append(run("startup_landed", torchrun(2, *probe, "--layout", "landed"), out, 40, env))
-        rows.append(run("startup_fixed", torchrun(2, *probe, "--layout", "fixed"), out, 60, env))
+        rows.append(run("startup_landed", torchrun(2, *probe, "--layout", "landed"), 40))
+        rows.append(run("startup_fixed", torchrun(2, *probe, "--layout", "fixed"), 60))
 
     ws, job_out = out / "warmstart", out / "job"
     job = [
@@ -150,7 +202,7 @@ def main() -> None:
         "--job.threads_per_rank=1",
     ]
     if "job" in groups:
-        row = run("job", torchrun(2, str(ROOT / "run_train.py"), *job), out, 200, env)
+        row = run("job", torchrun(2, str(ROOT / "run_train.py"), *job), 200)
         row.update(job_summary(job_out))
         rows.append(row)
 
@@ -173,7 +225,7 @@ def main() -> None:
             "--rl.max_steps=15",
             "--metrics.log_every=5",
         ]
-        row = run(name, cmd, out, 60, env)
+        row = run(name, cmd, 60)
         row.update(ess_summary(folder))
         rows.append(row)
 
@@ -181,7 +233,7 @@ def main() -> None:
     for name, extra in (("step", []), ("step_ac", ["--checkpointing"])) if "step" in groups else ():
         js = out / f"{name}.json"
         cmd = [sys.executable, "-m", "benchmarks.train_step_speed", *shape, "--docs", "8"]
-        row = run(name, [*cmd, *extra, "--out", str(js)], out, 90, env)
+        row = run(name, [*cmd, *extra, "--out", str(js)], 90)
         if js.is_file():
             step = json.loads(js.read_text())
             row.update({k: step[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib", "plan_gib", "sdpa_kernel")})
@@ -193,11 +245,43 @@ def main() -> None:
         tiny = ["--tokens", "512", "--max-doc", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
         cmd = [sys.executable, "-m", "benchmarks.packed_attention", "--device", device, *(tiny if a.cpu else [])]
         cmd += ["--out", str(js)]
-        row = run("attention", cmd, out, 120, env)
+        row = run("attention", cmd, 120)
         if js.is_file():
             att = json.loads(js.read_text())
             row.update({k: att[k] for k in ("attn_docs", "loop_ms", "varlen_ms", "speedup", "loop_err", "varlen_err")})
             row.update(agree=att["agree"], varlen_syncs=att["syncs"].get("varlen", att["varlen_status"]))
+        rows.append(row)
+
+    # LoRA's GPU path (docs/gpu.md): the RL step with a bf16 frozen base and fp32 adapters under FSDP2; one engine
+    # update merged on CUDA through AdapterMerge, W0 on the GPU and in pinned host memory. The rehearsal: the debug
+    # shape with a bf16 base on CPU (the same mixed-dtype FSDP2 units), the merge on CPU in fp32
+    if "lora" in groups:
+        js = out / "lora_step_05b.json"
+        # 2 + 5 steps on the GPU (the rl_step parts run 3 + 10): a median of 5 is enough beside them
+        shape = ["--flavour", "qwen2.5-0.5b", "--warmup", "2", "--steps", "5"]
+        shape = ["--flavour", "debug", "--quick", "--param-dtype", "bfloat16"] if a.cpu else shape
+        cmd = [sys.executable, "-m", "benchmarks.rl_step_speed", *shape, "--lora-rank", "16"]
+        row = run("lora_step_05b", [*cmd, "--out", str(js)], 120)
+        if js.is_file():
+            step = json.loads(js.read_text())
+            keep = ("lora_rank", "trained_params_m", "dtype", "tokens_per_s", "tflop_step", "tflop_adapters")
+            keep += ("achieved_tflop_s", "mfu", "frac_of_matmul_rate", "peak_mem_gib", "plan_gib", "compile")
+            row.update({k: step[k] for k in keep})
+        rows.append(row)
+        js = out / "lora_merge.json"
+        shape = ["--device", "cpu", "--flavour", "debug"] if a.cpu else ["--device", "cuda", "--flavour", "qwen2.5-7b"]
+        cmd = [sys.executable, "-m", "benchmarks.lora_merge_speed", *shape, "--base", "device,host", "--reps", "3"]
+        row = run("lora_merge", [*cmd, "--out", str(js)], 120)
+        if js.is_file():
+            merge = json.loads(js.read_text())
+            row.update(merge_dtype=merge["dtype"], d2d_gb_s=merge["d2d_gb_s"], h2d_gb_s=merge["h2d_gb_s"])
+            addmm = statistics.median(merge["times_s"]["merged_weight (addmm)"])
+            row["addmm_only_ms"] = round(addmm * 1e3, 2)
+            for u in merge["updates"]:
+                where = u["base"]
+                row.update({f"w0_{where}_ms": u["ms"], f"w0_{where}_traffic_bound_ms": u["traffic_bound_ms"]})
+                row.update({f"w0_{where}_peak_temp_gib": u["peak_temp_gib"]})
+                row.update({"w0_gib": u["w0_gib"], **({"h2d_bound_ms": u["h2d_bound_ms"]} if where == "host" else {})})
         rows.append(row)
 
     # the RL step as a run trains (issue: the trainer at GPU speed): 4 x 32k-token micro-batches of an RL length mix,
@@ -215,7 +299,7 @@ def main() -> None:
         if a.cpu:  # the rehearsal: the debug shape, CPU sizes
             extra = ["--flavour", "debug", "--quick", *extra[2:]]
         cmd = [sys.executable, "-m", "benchmarks.rl_step_speed", *extra, "--out", str(js)]
-        row = run(name, cmd, out, 150, env)
+        row = run(name, cmd, 150)
         if js.is_file():
             step = json.loads(js.read_text())
             keep = ("tokens_per_s", "tflop_step", "achieved_tflop_s", "mfu", "frac_of_matmul_rate", "peak_mem_gib")
@@ -229,24 +313,14 @@ def main() -> None:
                 "vllm_engines",
                 [sys.executable, "-m", "benchmarks.engines", "--gpu", "--flavours", "qwen2.5-0.5b"]
                 + ["--prompts", "64", "--max-tokens", "128", "--out", str(out / "vllm_engines.json")],
-                out,
                 150,
-                env,
             )
         )
         update = ["-m", "benchmarks.vllm_update", "--gpu", "--flavour", "qwen2.5-0.5b", "--updates", "5"]
         update += ["--loads", "reload,inplace", "--out", str(out / "vllm_update.json")]
-        rows.append(run("vllm_update", torchrun(2, *update), out, 120, env))
+        rows.append(run("vllm_update", torchrun(2, *update), 120))
 
-    keys: list[str] = []
-    for r in rows:
-        keys += [k for k in r if k not in keys and k != "log"]
-    table = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    table += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-    text = f"GPU check on {info['device']}, Python {info['python']}, torch {info['torch']}\n\n" + "\n".join(table)
-    (out / "gpu_check.md").write_text(text + "\n")
-    (out / "gpu_check.json").write_text(json.dumps({"machine": info, "parts": rows}, indent=2))
-    print(text, flush=True)
+    print(write_table(out, info, rows), flush=True)
 
 
 if __name__ == "__main__":
