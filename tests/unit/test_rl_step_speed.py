@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from benchmarks.rl_step_speed import SHAPES, documents, rl_samples, step_flops
-from pipelinerl_fsdp.models import flavour_args
+from pipelinerl_fsdp.config import LoRAConfig
+from pipelinerl_fsdp.models import build_model, flavour_args
+from pipelinerl_fsdp.models.lora import init_adapters
+from pipelinerl_fsdp.training.policy import adapt
 
 
 def test_the_length_mix_has_short_prompts_and_a_long_tail_within_the_budget():
@@ -56,3 +59,23 @@ def test_lora_step_flops_freeze_the_base_and_add_the_adapters():
     assert f["head"] == 4 * 128 * 32 * 4  # frozen: forward and input gradient only
     assert f["attention"] == 129_024  # unchanged: 12 x 4 layers x 128 x 21 pairs
     assert "adapters" not in step_flops(flavour_args("debug"), [3, 5], head_tokens=4)
+
+
+@pytest.mark.parametrize("rank", [0, 4])
+def test_the_matrix_product_flops_are_what_autograd_runs(rank):
+    """torch's FLOP counter over a real forward + backward of the debug model (the head at every position, full
+    fine-tuning or LoRA as the trainer builds it): its matrix products equal blocks + head (+ adapters) exactly, so
+    the frozen products' missing weight gradients and the first layer's q, k, v input gradients are as counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = flavour_args("debug")
+    model = build_model(args, seed=0)
+    if rank:
+        adapt(model, LoRAConfig(enabled=True, rank=rank), torch.float32)
+        init_adapters(model, 0)
+    ids = torch.randint(0, args.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model(ids).sum().backward()
+    counted = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    f = step_flops(args, [16], head_tokens=16, lora_rank=rank)
+    assert counted["aten.mm"] + counted.get("aten.addmm", 0) == f["blocks"] + f["head"] + f.get("adapters", 0)
