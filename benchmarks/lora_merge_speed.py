@@ -10,7 +10,8 @@ flavour such as qwen2.5-7b), rank --rank, all seven linears of every layer:
    factors fp32 on the device (A uniform as PEFT's init, B small random), its output consumed as a loader does:
    each yielded weight copied into a preallocated destination of the engine's dtype on the device (slices of fused
    q/k/v and gate/up parameters, as vLLM's loaders narrow them). W0 is kept on the device (`device`) or in host
-   memory (`host`: pinned where the device is CUDA; `AdapterMerge` moves each W0 to the factors' device,
+   memory (`host`: pinned where the device is CUDA, as `lora.engine_base = "host"` places it:
+   `inference.lora_merge.place_base`; `AdapterMerge` moves each W0 to the factors' device,
    non-blocking, as it merges it). Warm-up 1, then the median of --reps updates; CUDA events on a GPU,
    time.perf_counter on CPU.
 
@@ -44,7 +45,13 @@ import torch
 from benchmarks.harness import RESULTS, report
 from benchmarks.rl_step_speed import model_shape
 from pipelinerl_fsdp.config import LORA_TARGETS, LoRAConfig
-from pipelinerl_fsdp.inference.lora_merge import VLLM_PACKED, AdapterMerge, fused_module_name, fused_siblings
+from pipelinerl_fsdp.inference.lora_merge import (
+    VLLM_PACKED,
+    AdapterMerge,
+    fused_module_name,
+    fused_siblings,
+    place_base,
+)
 from pipelinerl_fsdp.models.args import ModelArgs
 from pipelinerl_fsdp.models.decoder import Transformer
 from pipelinerl_fsdp.models.lora import adapted_weight_name, adapter_layout, merged_weight
@@ -189,12 +196,7 @@ def main() -> None:
     h2d = copy_bandwidth(device, True, 1.0) if cuda and "host" in bases else None
     updates = []
     for where in bases:
-        if where == "host":
-            w0 = {}
-            for w, t in w0_device.items():  # one weight at a time: never a second device copy of all of W0
-                w0[w] = torch.empty(t.shape, dtype=dtype, pin_memory=cuda).copy_(t)
-        else:
-            w0 = w0_device
+        w0 = place_base(w0_device, where, device)  # the engine's own placement: host memory pinned on CUDA
         engine = AdapterMerge(w0, lora.scaling, [n for n, _ in pairs], VLLM_PACKED)
 
         def update(engine: AdapterMerge = engine) -> None:
