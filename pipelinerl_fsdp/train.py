@@ -15,6 +15,7 @@ from pipelinerl_fsdp.config import Config, ConfigError, InferenceConfig, JobConf
 from pipelinerl_fsdp.configure import load_config, named_source, validate_world
 from pipelinerl_fsdp.job.world import World, init_world, job_flags, shutdown
 from pipelinerl_fsdp.runtime import stopping
+from pipelinerl_fsdp.runtime.gpus import smallest_gpu_gib
 from pipelinerl_fsdp.runtime.processes import kill_descendants
 from pipelinerl_fsdp.runtime.stopping import StopRequested
 
@@ -82,7 +83,7 @@ def run(cfg: Config) -> None:
         from pipelinerl_fsdp.plan import GIB, resolve_trainer_defaults
 
         sync = {"engine_dtype": cfg.inference.dtype, "bucket_mb": cfg.world.weight_bucket_mb, "lora": cfg.lora}
-        gpu = cfg.plan.gpu_memory_gib * GIB
+        gpu = gpu_gib * GIB
         resolve_trainer_defaults(
             cfg.trainer, cfg.model, n_trainers, on_gpu, gpu, kl_reference=cfg.rl.kl_coef > 0, **sync
         )
@@ -95,17 +96,30 @@ def run(cfg: Config) -> None:
         if not (cfg.lora.enabled and on_gpu):
             resolve_engine_base(cfg.lora, on_gpu=False)
             return
-        args = (cfg.inference, plan_model_args(cfg.model)[0], cfg.plan.gpu_memory_gib, cfg.world.weight_bucket_mb)
+        args = (cfg.inference, plan_model_args(cfg.model)[0], gpu_gib, cfg.world.weight_bucket_mb)
         resolve_engine_base(cfg.lora, True, *args, cfg.rl.mode == "async")
 
+    # the "auto" keys plan for plan.gpu_memory_gib, or the smallest GPU the job found where that is less (a plan
+    # for 80 GiB must not run on 40 GiB cards)
+    gpu_gib = cfg.plan.gpu_memory_gib
     if cfg.job.stage == "rl" and cfg.rl.mode == "colocated":  # one process, no torchrun world
         from pipelinerl_fsdp.training.colocated import colocated_device, run_colocated
 
-        decide_trainer_keys(1, on_gpu=colocated_device(cfg.job).type == "cuda")
+        device = colocated_device(cfg.job)
+        if device.type == "cuda":
+            gpu_gib = min(gpu_gib, torch.cuda.get_device_properties(device).total_memory / 2**30)
+        decide_trainer_keys(1, on_gpu=device.type == "cuda")
         run_colocated(cfg)
         return
     world = init_world(cfg)
     validate_world(cfg, world.world_size)
+    if world.backend == "nccl":  # every rank, collectively: the same value everywhere
+        cuda = world.device.type == "cuda"  # a vLLM rank's device is the CPU: it never touches CUDA
+        own = torch.cuda.get_device_properties(world.device).total_memory / 2**30 if cuda else None
+        gpu_gib = min(gpu_gib, smallest_gpu_gib(own))
+        if world.is_main and gpu_gib < cfg.plan.gpu_memory_gib:
+            print(f"[plan] 'auto' keys sized for the smallest GPU found, {gpu_gib:.1f} GiB (plan.gpu_memory_gib = "
+                  f"{cfg.plan.gpu_memory_gib:g})", flush=True)  # fmt: skip
     decide_trainer_keys(len(world.trainer_ranks), on_gpu=world.backend == "nccl")
     decide_engine_base(on_gpu=world.backend == "nccl" and cfg.inference.engine == "vllm")  # vLLM on its GPUs
     if world.is_main:  # the resolved config, "auto" keys decided

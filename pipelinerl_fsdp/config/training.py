@@ -88,8 +88,8 @@ class TrainerConfig:
     # the RL stage's optimizer ([trainer.optimizer] in TOML, --trainer.optimizer.lr=... on the command line)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     # token budget of one packed micro-batch on one rank; "auto": 4096 on CPU, on GPU the largest of 32768, 16384,
-    # 8192, 4096 whose trainer memory the plan (plan.py) keeps within 90% of plan.gpu_memory_gib; the resolved
-    # value is saved in the run's config.toml
+    # 8192, 4096 whose trainer memory the plan (plan.py) keeps within 90% of plan.gpu_memory_gib (or of the smallest
+    # GPU the job finds, where less); the resolved value is saved in the run's config.toml
     micro_batch_tokens: int | Literal["auto"] = "auto"
     # FSDP2 mixed precision; "auto": float32 on CPU, bfloat16 on CUDA
     param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import torch
+import torch.distributed as dist
 
 _CHILD = "import torch; print(torch.cuda.device_count())"
 
@@ -34,3 +35,13 @@ def gpu_count() -> int:
         return 0
     n = torch.cuda._device_count_nvml()
     return n if n >= 0 else _count_in_child()
+
+
+def smallest_gpu_gib(own: float | None, group: dist.ProcessGroup | None = None) -> float:
+    """The smallest GPU memory (GiB) any rank of `group` reports (collective: a MIN all-reduce of one CPU float, so
+    every rank gets the same value); `own`: this rank's GPU (`torch.cuda.get_device_properties(d).total_memory`, on a
+    rank that uses CUDA), None for a rank that reports none (an inference rank, which must not touch CUDA: vLLM's
+    engines sit on GPUs of the same kind in our layouts). inf when no rank reports one."""
+    t = torch.tensor([own if own is not None else float("inf")], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return float(t.item())

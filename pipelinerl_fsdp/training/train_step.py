@@ -90,6 +90,23 @@ def reduce_values_over_ranks(flat: torch.Tensor, record_type: type, group: dist.
     return out
 
 
+def row_logprobs(
+    model: Transformer, mb: PackedRow, temperature: float, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's (log-probs, entropies) of a packed row's targets at the loss's positions only (the dummy pass:
+    its one token), with the packer's offsets and indices: no device read in the forward."""
+    return model(
+        mb.input_ids,
+        mb.position_ids,
+        targets=mb.targets,
+        temperature=temperature,
+        logprob_chunk_size=chunk_size,
+        logprob_positions=mb.logprob_positions(),
+        documents=mb.documents,
+        logprob_index=mb.logprob_index,
+    )
+
+
 def forward_backward(
     model: Transformer,
     micro_batches: Sequence[M],
@@ -114,16 +131,7 @@ def forward_backward(
         real = i < len(micro_batches)
         mb = micro_batches[i] if real else _dummy_micro_batch(device)
         model.set_requires_gradient_sync(not defer_grad_sync or (final and i == n - 1))
-        logp, ent = model(
-            mb.input_ids,
-            mb.position_ids,
-            targets=mb.targets,
-            temperature=temperature,
-            logprob_chunk_size=chunk_size,
-            logprob_positions=mb.logprob_positions(),  # the loss's tokens only (the dummy pass: its one token)
-            documents=mb.documents,  # the packer's offsets and indices: no device read in the forward
-            logprob_index=mb.logprob_index,
-        )
+        logp, ent = row_logprobs(model, mb, temperature, chunk_size)
         if real:
             loss, s = loss_fn(logp, ent, micro_batches[i])
             stats.append(s)
@@ -148,17 +156,8 @@ def add_reference_logprobs(
     n = agree_max(len(micro_batches), group)
     for i in range(n):
         mb: PackedRow = micro_batches[i] if i < len(micro_batches) else _dummy_micro_batch(device)
-        with torch.no_grad(), adapters_disabled(ref_model):
-            logp, _ = ref_model(
-                mb.input_ids,
-                mb.position_ids,
-                targets=mb.targets,
-                temperature=temperature,
-                logprob_chunk_size=chunk_size,
-                logprob_positions=mb.logprob_positions(),
-                documents=mb.documents,
-                logprob_index=mb.logprob_index,
-            )
+        with adapters_disabled(ref_model):
+            logp, _ = row_logprobs(ref_model, mb, temperature, chunk_size)
         if i < len(micro_batches):
             micro_batches[i].loss_input.ref_logp = logp[0]
 
