@@ -48,6 +48,7 @@ from pipelinerl_fsdp.config import (
     TaskConfig,
     TrainerConfig,
 )
+from pipelinerl_fsdp.inference.lora_merge import slab_layout
 from pipelinerl_fsdp.inference.vllm_config import VLLMInferenceConfig
 from pipelinerl_fsdp.job.world import rank_layout
 from pipelinerl_fsdp.models.args import ModelArgs
@@ -411,8 +412,9 @@ def make_plan(cfg: Config) -> tuple[str, list[str]]:
         f"max_num_seqs {inf.max_num_seqs} x max_model_len {max_len} can ask for) |"
     )
     if lora is not None and lora.engine_base == "host":
-        w0 = lora_sizes(args, lora).w0 * engine_dtype_bytes(inf.dtype)
-        lines.append(f"| (host memory per engine worker: W0, pinned; not on the GPU) | {w0 / GIB:.2f} |")
+        sizes, ebytes = lora_sizes(args, lora), engine_dtype_bytes(inf.dtype)
+        w0, pinned = sizes.w0 * ebytes, sum(slab_layout([n * ebytes for n in sizes.w0_each])[0])
+        lines.append(f"| (host memory per engine worker: W0 in pinned slabs; not on the GPU) | {pinned / GIB:.2f} |")
         lines.append(
             f"\nLoRA: the engines keep W0 in host memory (lora.engine_base = 'host'{', chosen by auto' if auto else ''}"
             f"): each update moves its {w0 / GIB:.2f} GiB to the GPU, ~{w0 / H2D_BYTES_PER_S:.1f} s at "

@@ -52,6 +52,7 @@ class LoRASizes(NamedTuple):
     adapters: list[tuple[str, int]]  # (name, elements) of every factor, in push order
     targeted: list[int]  # elements of each targeted base weight
     w0: int  # elements of the base weights a vLLM engine keeps to merge from (targets + fused siblings)
+    w0_each: list[int]  # ... each of them (how pinned host memory packs them: `lora_merge.slab_layout`)
     widths: int  # the targeted linears' input widths summed over one block (what dropout keeps)
 
 
@@ -67,6 +68,7 @@ def lora_sizes(args: ModelArgs, lora: LoRAConfig) -> LoRASizes:
         [(n, shape.numel()) for n, shape in layout],
         [base[w] for w, _ in a],
         sum(base[w] for w in kept),
+        [base[w] for w in kept],
         sum(int(shape[1]) for _, shape in a) // args.num_hidden_layers,
     )
 

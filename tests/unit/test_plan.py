@@ -247,7 +247,8 @@ def test_auto_keeps_w0_on_the_engine_gpu_where_it_fits_and_in_host_memory_where_
     cfg = load_config([*MATH_7B, "--lora.enabled=true"])
     text, problems = make_plan(cfg)
     assert problems == [] and cfg.lora.engine_base == "host"
-    assert "| (host memory per engine worker: W0, pinned; not on the GPU) | 12.15 |" in text
+    # W0's 12.15 GiB packed into 1 GiB pinned slabs: 13 (pinned tensor by tensor, power-of-two rounding: 22.97)
+    assert "| (host memory per engine worker: W0 in pinned slabs; not on the GPU) | 13.00 |" in text
     # 12.15 GiB at 25 GB/s: the estimate the plan prints, computed here from its inputs
     assert "(lora.engine_base = 'host', chosen by auto): each update moves its 12.15 GiB to the GPU, ~0.5 s" in text
     # "device" where it fits within 90% of the GPU (as the trainer's "auto" keys): vLLM's budget 80% plans 78.56

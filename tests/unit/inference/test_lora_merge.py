@@ -18,8 +18,10 @@ from pipelinerl_fsdp.inference.lora_merge import (
     base_placement,
     fused_module_name,
     loaded_weights,
+    pack_into_slabs,
     place_base,
     read_base,
+    slab_layout,
 )
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
 from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
@@ -215,3 +217,26 @@ def test_w0_is_kept_beside_the_served_weights_or_pinned_in_host_memory_and_auto_
     w = {"a.weight": torch.randn(3, 2)}
     placed = place_base(w, "host", cpu)
     assert torch.equal(placed["a.weight"], w["a.weight"]) and placed["a.weight"].device == cpu
+
+
+def test_pinned_w0_is_packed_into_power_of_two_slabs_that_the_allocator_does_not_round_up():
+    # sizes in bytes against 1 KiB slabs, offsets aligned to 256: 300 -> 512 used, 300 -> 512 more (slab 0 full),
+    # 600 -> 768 in a new slab, 5000 (larger than a slab) -> a slab of its own of 8192 (the next power of two),
+    # 200 -> 256: first fit, into slab 1 after the 768
+    sizes, where = slab_layout([300, 300, 600, 5000, 200], slab_bytes=1024)
+    assert sizes == [1024, 1024, 8192]
+    assert where == [(0, 0), (0, 512), (1, 0), (2, 0), (1, 768)]
+    assert all(n & (n - 1) == 0 for n in sizes)
+    # the packed copies hold W0's values, as views of the slabs, and merge as the unpacked ones do
+    cfg = LoRAConfig(enabled=True, rank=2, target_modules=["q_proj", "down_proj"])
+    names = [n for n, _ in adapter_layout(ARGS, cfg)]
+    g = torch.Generator().manual_seed(0)
+    model = build_model(ARGS, seed=0)
+    base = {w: model.state_dict()[w].to(torch.bfloat16) for w in loaded_weights(names, VLLM_PACKED)}
+    packed = pack_into_slabs(base, pin=False, slab_bytes=4096)
+    assert all(torch.equal(packed[n], base[n]) and packed[n].dtype == torch.bfloat16 for n in base)
+    assert len({p.untyped_storage().data_ptr() for p in packed.values()}) < len(packed)  # views into shared slabs
+    pairs = [(n, torch.randn(s, generator=g)) for n, s in adapter_layout(ARGS, cfg)]
+    got = dict(AdapterMerge(packed, 2.0, names, VLLM_PACKED)(iter(pairs)))
+    want = dict(AdapterMerge(base, 2.0, names, VLLM_PACKED)(iter(pairs)))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
