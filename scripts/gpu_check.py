@@ -97,7 +97,7 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 
 
 # the parts, by group (--parts)
-GROUPS = ("startup", "job", "ess", "step", "attention", "lora", "rl_step", "vllm")  # the order they run in
+GROUPS = ("startup", "job", "ess", "step", "rl_step", "attention", "lora", "vllm")  # the order they run in
 
 
 def records(path: Path) -> list[dict]:
@@ -239,6 +239,28 @@ def main() -> None:
             row.update({k: step[k] for k in ("tokens_per_s", "mfu", "peak_mem_gib", "plan_gib", "sdpa_kernel")})
         rows.append(row)
 
+    # the RL step as a run trains (issue: the trainer at GPU speed): 4 x 32k-token micro-batches of an RL length mix,
+    # exact FLOPs and MFU; compiled blocks with the profile of one step, the same eager, and the 1.5B shape
+    rl_parts = (
+        (
+            "rl_step_05b",
+            ["--flavour", "qwen2.5-0.5b", "--compile", "on", "--profile", str(out / "rl_step_05b_profile.txt")],
+        ),
+        ("rl_step_05b_eager", ["--flavour", "qwen2.5-0.5b", "--compile", "off"]),
+        ("rl_step_15b", ["--flavour", "qwen2.5-1.5b", "--checkpointing"]),
+    )
+    for name, extra in rl_parts if "rl_step" in groups else ():
+        js = out / f"{name}.json"
+        if a.cpu:  # the rehearsal: the debug shape, CPU sizes
+            extra = ["--flavour", "debug", "--quick", *extra[2:]]
+        cmd = [sys.executable, "-m", "benchmarks.rl_step_speed", *extra, "--out", str(js)]
+        row = run(name, cmd, 150)
+        if js.is_file():
+            step = json.loads(js.read_text())
+            keep = ("tokens_per_s", "tflop_step", "achieved_tflop_s", "mfu", "frac_of_matmul_rate", "peak_mem_gib")
+            row.update({k: step[k] for k in (*keep, "plan_gib", "compile")})
+        rows.append(row)
+
     # attention over packed documents: the one varlen kernel against the per-document loop (docs/gpu.md)
     if "attention" in groups:
         js = out / "attention.json"
@@ -282,28 +304,6 @@ def main() -> None:
                 row.update({f"w0_{where}_ms": u["ms"], f"w0_{where}_traffic_bound_ms": u["traffic_bound_ms"]})
                 row.update({f"w0_{where}_peak_temp_gib": u["peak_temp_gib"]})
                 row.update({"w0_gib": u["w0_gib"], **({"h2d_bound_ms": u["h2d_bound_ms"]} if where == "host" else {})})
-        rows.append(row)
-
-    # the RL step as a run trains (issue: the trainer at GPU speed): 4 x 32k-token micro-batches of an RL length mix,
-    # exact FLOPs and MFU; compiled blocks with the profile of one step, the same eager, and the 1.5B shape
-    rl_parts = (
-        (
-            "rl_step_05b",
-            ["--flavour", "qwen2.5-0.5b", "--compile", "on", "--profile", str(out / "rl_step_05b_profile.txt")],
-        ),
-        ("rl_step_05b_eager", ["--flavour", "qwen2.5-0.5b", "--compile", "off"]),
-        ("rl_step_15b", ["--flavour", "qwen2.5-1.5b", "--checkpointing"]),
-    )
-    for name, extra in rl_parts if "rl_step" in groups else ():
-        js = out / f"{name}.json"
-        if a.cpu:  # the rehearsal: the debug shape, CPU sizes
-            extra = ["--flavour", "debug", "--quick", *extra[2:]]
-        cmd = [sys.executable, "-m", "benchmarks.rl_step_speed", *extra, "--out", str(js)]
-        row = run(name, cmd, 150)
-        if js.is_file():
-            step = json.loads(js.read_text())
-            keep = ("tokens_per_s", "tflop_step", "achieved_tflop_s", "mfu", "frac_of_matmul_rate", "peak_mem_gib")
-            row.update({k: step[k] for k in (*keep, "plan_gib", "compile")})
         rows.append(row)
 
     # a GPU machine of the user's, with CUDA vLLM
