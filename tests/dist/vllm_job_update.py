@@ -42,7 +42,11 @@ from pipelinerl_fsdp.job.world import init_world  # noqa: E402
 # The update is taken once a request has generated LANDING tokens (vLLM streams each step's output), so it lands
 # mid-sequence whatever the machine's speed. Timing it instead (send ~0.15 s in) failed in CI when the trainer
 # rank's header came after all 400 tokens (~1.3 s).
-T, MAX_TOKENS, MAX_LEN, LANDING = 0.8, 400, 448, 24
+# Phase 3's two updates come back to back, the second once the trainer rank has pushed the first: its requests are
+# longer (PHASE3_TOKENS), so that a trainer rank starved of the CPU for a second still lands it mid-sequence (with
+# 400 tokens a CI run on a slow day saw every request finish first; phases 1 and 2, one update each, take it at
+# LANDING tokens and need fewer).
+T, MAX_TOKENS, PHASE3_TOKENS, MAX_LEN, LANDING = 0.8, 300, 800, 848, 24
 PROMPTS = [[3, 4, 5, 13], [6, 7, 8, 9, 13], [10, 13], [11, 12, 13]]
 
 
@@ -85,9 +89,10 @@ def main() -> None:
     while not engine.step(timeout=0.1):
         pass
     # phase, the versions its updates carry, inference.kv_max_age, and whether each update recomputes the caches
-    phases = ((1, (1,), -1, (False,)), (2, (2,), 0, (True,)), (3, (3, 4), 1, (False, True)))
-    for phase, versions, max_age, expect_recomputed in phases:
-        reqs = [Request(10 * phase + i, p, MAX_TOKENS) for i, p in enumerate(PROMPTS)]
+    phases = ((1, (1,), -1, (False,), MAX_TOKENS), (2, (2,), 0, (True,), MAX_TOKENS),
+              (3, (3, 4), 1, (False, True), PHASE3_TOKENS))
+    for phase, versions, max_age, expect_recomputed, n_tok in phases:
+        reqs = [Request(10 * phase + i, p, n_tok) for i, p in enumerate(PROMPTS)]
         while not receiver.pending():  # the phase starts once the update's header is here: the trainer rank's
             engine.step(timeout=0.002)  # timing plays no part
         for r in reqs:
@@ -111,24 +116,24 @@ def main() -> None:
         worst_before = worst_after = 0.0
         held = [0] * len(versions)  # requests in flight at each update (sampled some tokens before it, not all)
         for r in reqs:
-            assert len(r.tokens) == MAX_TOKENS, len(r.tokens)
+            assert len(r.tokens) == n_tok, len(r.tokens)
             bounds = [r.versions.count(first)]
             for v in versions[:-1]:
                 bounds.append(bounds[-1] + r.versions.count(v))
-            held = [h + (0 < b < MAX_TOKENS) for h, b in zip(held, bounds)]
+            held = [h + (0 < b < n_tok) for h, b in zip(held, bounds)]
             m = bounds[0]
             expected = [first] * m
-            for v, lo, hi in zip(versions, bounds, bounds[1:] + [MAX_TOKENS]):
+            for v, lo, hi in zip(versions, bounds, bounds[1:] + [n_tok]):
                 expected += [v] * (hi - lo)
             assert r.versions == expected, r.versions
-            split += 0 < m < MAX_TOKENS
+            split += 0 < m < n_tok
             lp = torch.tensor(r.logprobs)
             before_model = models[first]
             worst_before = max(worst_before, (lp[:m] - full_logprobs(before_model, r.prompt_ids, r.tokens, T)[:m])
                                .abs().max().item() if m else 0.0)
             # m == 0: never scheduled before the update, so prefilled under the new weights
             for i, (v, lo) in enumerate(zip(versions, bounds)):
-                hi = bounds[i + 1] if i + 1 < len(bounds) else MAX_TOKENS
+                hi = bounds[i + 1] if i + 1 < len(bounds) else n_tok
                 if lo == hi:
                     continue
                 toks = r.tokens[:hi]
@@ -140,7 +145,7 @@ def main() -> None:
                     other = full
                 else:
                     continue  # a cache of two older versions kept: checked through the next segment's recompute
-                if other is not None and 0 < lo < MAX_TOKENS:
+                if other is not None and 0 < lo < n_tok:
                     min_gap = min(min_gap, (lp[lo:hi] - other).abs().max().item())
                 worst_after = max(worst_after, (lp[lo:hi] - ref).abs().max().item())
         # vLLM recomputes every held request's cache, or none (a request scheduled but without a token yet is held)
@@ -154,7 +159,7 @@ def main() -> None:
         assert worst_before < 1e-4 and worst_after < 1e-4, "log-probs differ from the reference"
         if max_age < 0:
             assert min_gap > 1e-3, "keeping and recomputing the KV cache gave the same log-probs: proves nothing"
-    assert engine.stats()[0] == 8 + len(phases) * len(PROMPTS) * MAX_TOKENS
+    assert engine.stats()[0] == 8 + len(PROMPTS) * sum(ph[-1] for ph in phases)
     dist.barrier()
     kind, _ = receiver.wait_header()
     assert kind == STOP
