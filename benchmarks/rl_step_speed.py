@@ -29,16 +29,20 @@ each adapted linear of in -> out adds 2 r (in + out) per token forward (x A^T, t
 (the gradient of A's output and of B, of A and of the input). In the first layer the input of q, k and v (the normed
 embeddings) needs no gradient (nothing before it trains) and autograd computes none: minus 2 x hidden x (q + k + v
 widths) per token from the blocks and 2 r x hidden x 3 from the adapters. MFU = FLOPs / step time / the device's
-dense bf16 peak (H100 and H200 SXM: 989 TFLOP/s; --peak-tflops for others); on CPU the fraction of this
-machine's measured fp32 matrix-product rate at the model's shapes (`step_vs_plain.matmul_gflops`).
+dense bf16 peak (H100 and H200 SXM: 989 TFLOP/s, H100 PCIe 756, the NVL cards 835; --peak-tflops for others); on CPU
+the fraction of this machine's measured fp32 matrix-product rate at the model's shapes (`step_vs_plain.matmul_gflops`).
+`pack_s`: the host's time to pack the step's samples and move them to the device (`rl_micro_batches`, the step's
+first act, while the GPU waits), inside `step_s`; `pack_frac` its share.
 `plan_gib`: what `--job.stage=plan` predicts for this step on one rank (weight sync and CUDA context left out),
 next to the measured `peak_mem_gib`. Steps are timed with CUDA events on GPU (time.perf_counter on CPU), after
---warmup steps. Prints a table; writes JSON.
+--warmup steps. Prints a table; writes JSON, also after each timed step (`"partial": true`, the steps so far), so a
+run stopped by a time limit keeps what it measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import statistics
@@ -79,7 +83,9 @@ SHAPES = {
         max_position_embeddings=8192,
     )
 }
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense, SXM
+# dense bf16 peaks by a name's part, the first that matches (NVIDIA's datasheets): the PCIe and NVL cards run
+# slower clocks and power than the SXM ones, whose names carry neither ("NVIDIA H100 80GB HBM3")
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100", 989.0), ("H200", 989.0))
 
 
 def model_shape(name: str, folder: Path | None) -> ModelArgs:
@@ -154,7 +160,7 @@ def peak_tflops(device: torch.device, given: float | None) -> float | None:
     if given is not None or device.type != "cuda":
         return given
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    return next((v for k, v in PEAK_BF16_TFLOPS if k in name), None)
 
 
 def main() -> None:
@@ -231,6 +237,45 @@ def main() -> None:
     docs = [n for mb in micro for n in documents(mb.position_ids)]
     head_tokens = int(sum(float(mb.loss_input.mask.sum()) for mb in micro))
     flops = step_flops(args, docs, head_tokens, a.lora_rank)
+    pack_s = statistics.median(packing_seconds(samples, a.micro_batch_tokens, device) for _ in range(3))
+    peak = peak_tflops(device, a.peak_tflops)
+    tokens, total = sum(docs), sum(flops.values())
+    dtype = str(resolve_param_dtype(cfg.trainer.param_dtype, device)).removeprefix("torch.")
+    plan_items = trainer_memory(replace(cfg.trainer, param_dtype=dtype), args, 1, a.checkpointing, lora=lora)
+    plan = sum(x for k, x in plan_items.items() if not k.startswith(("weight sync", "CUDA context")))
+
+    def summary(times: list[float]) -> dict:
+        secs = statistics.median(times)
+        return {
+            "shape": a.model.name if a.model else a.flavour,
+            "params_m": round(args.num_params() / 1e6, 1),
+            "lora_rank": a.lora_rank,
+            "trained_params_m": round(sum(p.numel() for p in policy.model.parameters() if p.requires_grad) / 1e6, 2),
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+            "dtype": dtype,
+            "compile": resolve_compile(a.compile, device),
+            "checkpointing": a.checkpointing,
+            "defer_grad_sync": cfg.trainer.defer_grad_sync,
+            "micro_batches": len(micro),
+            "tokens": tokens,
+            "documents": len(docs),
+            "head_tokens": head_tokens,
+            "timed_steps": len(times),
+            "step_s": round(secs, 4),
+            "step_s_min": round(min(times), 4),
+            "pack_s": round(pack_s, 4),
+            "pack_frac": round(pack_s / secs, 4),
+            "tokens_per_s": round(tokens / secs, 1),
+            "tflop_step": round(total / 1e12, 3),
+            "tflop_blocks_attention_head": [round(flops[k] / 1e12, 3) for k in ("blocks", "attention", "head")],
+            "tflop_adapters": round(flops.get("adapters", 0.0) / 1e12, 4),
+            "tflop_6n": round(6 * args.num_params() * tokens / 1e12, 3),
+            "achieved_tflop_s": round(total / secs / 1e12, 3),
+            "mfu": round(total / secs / (peak * 1e12), 4) if peak else None,
+            "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
+            "plan_gib": round(plan / 2**30, 2),
+        }
+
     times: list[float] = []
     for i in range(a.warmup + a.steps):
         if i == a.warmup and cuda:
@@ -248,48 +293,32 @@ def main() -> None:
             seconds = time.perf_counter() - t0
         if i >= a.warmup:
             times.append(seconds)
+            # the steps so far, rewritten after each: a run killed by a time limit keeps its numbers
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(json.dumps({**summary(times), "partial": True}, indent=1))
     if a.profile is not None:
         profile_step(lambda: step.run([samples], 1, VERSION), cuda, a.profile)
-    secs = statistics.median(times)
-    tokens = sum(docs)
-    total = sum(flops.values())
-    peak = peak_tflops(device, a.peak_tflops)
     h, inter, v = args.hidden_size, args.intermediate_size, args.vocab_size
     qkv = (args.num_attention_heads + 2 * args.num_key_value_heads) * (args.head_dim or h // args.num_attention_heads)
     cpu_rate = None if cuda else matmul_gflops(min(tokens, 2048), [(h, qkv), (h, inter), (inter, h), (h, v)]) * 1e9
-    dtype = str(resolve_param_dtype(cfg.trainer.param_dtype, device)).removeprefix("torch.")
-    plan_items = trainer_memory(replace(cfg.trainer, param_dtype=dtype), args, 1, a.checkpointing, lora=lora)
-    plan = sum(x for k, x in plan_items.items() if not k.startswith(("weight sync", "CUDA context")))
-    row = {
-        "shape": a.model.name if a.model else a.flavour,
-        "params_m": round(args.num_params() / 1e6, 1),
-        "lora_rank": a.lora_rank,
-        "trained_params_m": round(sum(p.numel() for p in policy.model.parameters() if p.requires_grad) / 1e6, 2),
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "dtype": dtype,
-        "compile": resolve_compile(a.compile, device),
-        "checkpointing": a.checkpointing,
-        "defer_grad_sync": cfg.trainer.defer_grad_sync,
-        "micro_batches": len(micro),
-        "tokens": tokens,
-        "documents": len(docs),
-        "head_tokens": head_tokens,
-        "step_s": round(secs, 4),
-        "step_s_min": round(min(times), 4),
-        "tokens_per_s": round(tokens / secs, 1),
-        "tflop_step": round(total / 1e12, 3),
-        "tflop_blocks_attention_head": [round(flops[k] / 1e12, 3) for k in ("blocks", "attention", "head")],
-        "tflop_adapters": round(flops.get("adapters", 0.0) / 1e12, 4),
-        "tflop_6n": round(6 * args.num_params() * tokens / 1e12, 3),
-        "achieved_tflop_s": round(total / secs / 1e12, 3),
-        "mfu": round(total / secs / (peak * 1e12), 4) if peak else None,
-        "cpu_matmul_gflop_s": round(cpu_rate / 1e9, 1) if cpu_rate else None,
-        "frac_of_matmul_rate": round(total / secs / cpu_rate, 4) if cpu_rate else None,
-        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
-        "plan_gib": round(plan / 2**30, 2),
-    }
+    row = summary(times)
+    rate = total / statistics.median(times)
+    row["cpu_matmul_gflop_s"] = round(cpu_rate / 1e9, 1) if cpu_rate else None
+    row["frac_of_matmul_rate"] = round(rate / cpu_rate, 4) if cpu_rate else None
     report(a.out, "RL trainer step speed on one device", list(row), [list(row.values())], row)
     dist.destroy_process_group()
+
+
+def packing_seconds(samples: list[Sample], budget: int, device: torch.device) -> float:
+    """Host seconds to pack the step's samples into micro-batches on `device` (`rl_micro_batches`, which the step
+    runs first: time the GPU waits, since the step before ended with a read of its gradient norm)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    rl_micro_batches(samples, budget, device, VERSION)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def profile_step(run_step: Callable[[], object], cuda: bool, path: Path) -> None:

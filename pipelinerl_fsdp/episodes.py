@@ -146,11 +146,3 @@ def turn_spans(versions: list[int]) -> list[tuple[int, int]]:
     if start is not None:
         spans.append((start, len(versions)))
     return spans
-
-
-def turn_indices(versions: list[int]) -> list[int]:
-    """Per completion token, the index (from 1) of the model turn it belongs to; 0 on environment tokens."""
-    out = [0] * len(versions)
-    for i, (a, b) in enumerate(turn_spans(versions), 1):
-        out[a:b] = [i] * (b - a)
-    return out

@@ -36,9 +36,11 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,7 +88,10 @@ def write_table(out: Path, info: dict[str, str], rows: list[dict]) -> str:
         keys += [k for k in r if k not in keys and k != "log"]
     table = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     table += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
-    text = f"GPU check on {info['device']}, Python {info['python']}, torch {info['torch']}\n\n" + "\n".join(table)
+    head = f"GPU check on {info['device']}, Python {info['python']}, torch {info['torch']}"
+    if "triton" in info:  # what compiled parts need
+        head += f" (Triton {info['triton']}, C compiler {info['c_compiler']}, Python.h {info['python_h']})"
+    text = head + "\n\n" + "\n".join(table)
     (out / "gpu_check.md").write_text(text + "\n")
     (out / "gpu_check.json").write_text(json.dumps({"machine": info, "parts": rows}, indent=2))
     return text
@@ -98,6 +103,16 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 
 # the parts, by group (--parts)
 GROUPS = ("startup", "job", "ess", "step", "rl_step", "attention", "lora", "vllm")  # the order they run in
+# the groups that import the project's job code, and what it needs that the lent image may lack (torchdata: a wheel)
+NEED_PACKAGES = {"job", "ess", "step", "rl_step", "lora"}
+PACKAGES = ("torchdata", "transformers", "safetensors")
+
+
+def missing_packages(groups: set[str]) -> list[str]:
+    """The packages the chosen groups import that this Python cannot find."""
+    if not groups & NEED_PACKAGES:
+        return []
+    return [m for m in PACKAGES if importlib.util.find_spec(m) is None]
 
 
 def records(path: Path) -> list[dict]:
@@ -157,6 +172,13 @@ def main() -> None:
     groups = set(GROUPS) if a.parts == "all" else set(a.parts.split(","))
     if groups - set(GROUPS):
         raise SystemExit(f"--parts: unknown {sorted(groups - set(GROUPS))}; choose from {', '.join(GROUPS)}")
+    missing = missing_packages(groups)
+    if missing:
+        raise SystemExit(
+            f"gpu_check: {', '.join(missing)} not importable by {sys.executable}, which the parts "
+            f"{', '.join(sorted(groups & NEED_PACKAGES))} import: run `bash scripts/gpu_wheels.sh` where the device "
+            "call is made and pass carry=['.gpu_wheels'] (scripts/gpu_check.sh puts its wheels on PYTHONPATH)"
+        )
     out = a.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     device = "cpu" if a.cpu else "cuda"
@@ -170,6 +192,10 @@ def main() -> None:
         "device": torch.cuda.get_device_name(0) if not a.cpu else "cpu (rehearsal)",
         "python": sys.version.split()[0],
         "torch": torch.__version__,
+        # what compiled parts need on the GPU: Triton builds its launcher with a C compiler and Python's headers
+        "triton": importlib.util.find_spec("triton") is not None,
+        "c_compiler": next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None),
+        "python_h": (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file(),
     }
     print(json.dumps(info), flush=True)
     deadline = None if a.budget_s is None else t_start + a.budget_s
@@ -246,8 +272,13 @@ def main() -> None:
             "rl_step_05b",
             ["--flavour", "qwen2.5-0.5b", "--compile", "on", "--profile", str(out / "rl_step_05b_profile.txt")],
         ),
-        ("rl_step_05b_eager", ["--flavour", "qwen2.5-0.5b", "--compile", "off"]),
-        ("rl_step_15b", ["--flavour", "qwen2.5-1.5b", "--checkpointing"]),
+        # its own profile too: the breakdown survives a compile failure of the part above
+        (
+            "rl_step_05b_eager",
+            ["--flavour", "qwen2.5-0.5b", "--compile", "off", "--profile", str(out / "rl_step_05b_eager_profile.txt")],
+        ),
+        # 2 warm-up steps (eager: nothing to compile), then 10 timed; a slow GPU stopped at 150 s keeps its steps so far
+        ("rl_step_15b", ["--flavour", "qwen2.5-1.5b", "--checkpointing", "--warmup", "2"]),
     )
     for name, extra in rl_parts if "rl_step" in groups else ():
         js = out / f"{name}.json"
@@ -258,7 +289,8 @@ def main() -> None:
         if js.is_file():
             step = json.loads(js.read_text())
             keep = ("tokens_per_s", "tflop_step", "achieved_tflop_s", "mfu", "frac_of_matmul_rate", "peak_mem_gib")
-            row.update({k: step[k] for k in (*keep, "plan_gib", "compile")})
+            keep += ("plan_gib", "compile", "pack_s", "pack_frac", "timed_steps", "partial")
+            row.update({k: step[k] for k in keep if k in step})  # "partial": stopped by a limit (no matmul rate)
         rows.append(row)
 
     # attention over packed documents: the one varlen kernel against the per-document loop (docs/gpu.md)
@@ -272,6 +304,7 @@ def main() -> None:
             att = json.loads(js.read_text())
             row.update({k: att[k] for k in ("attn_docs", "loop_ms", "varlen_ms", "speedup", "loop_err", "varlen_err")})
             row.update(agree=att["agree"], varlen_syncs=att["syncs"].get("varlen", att["varlen_status"]))
+            row.update({f"{k}_peak_gib": v for k, v in att["peak_gib"].items()})
         rows.append(row)
 
     # LoRA's GPU path (docs/gpu.md): the RL step with a bf16 frozen base and fp32 adapters under FSDP2; one engine
@@ -288,7 +321,8 @@ def main() -> None:
             step = json.loads(js.read_text())
             keep = ("lora_rank", "trained_params_m", "dtype", "tokens_per_s", "tflop_step", "tflop_adapters")
             keep += ("achieved_tflop_s", "mfu", "frac_of_matmul_rate", "peak_mem_gib", "plan_gib", "compile")
-            row.update({k: step[k] for k in keep})
+            keep += ("pack_s", "timed_steps", "partial")
+            row.update({k: step[k] for k in keep if k in step})
         rows.append(row)
         js = out / "lora_merge.json"
         shape = ["--device", "cpu", "--flavour", "debug"] if a.cpu else ["--device", "cuda", "--flavour", "qwen2.5-7b"]

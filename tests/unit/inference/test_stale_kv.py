@@ -12,7 +12,7 @@ from kv_reference import full_logprobs, logprobs_old_kv_then_new
 from pipelinerl_fsdp.inference.engine import Request, stale_kv
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
 from pipelinerl_fsdp.models import build_model, flavour_args
-from pipelinerl_fsdp.rl.batching import after_update_marks, rl_micro_batches
+from pipelinerl_fsdp.rl.batching import completion_fields, rl_micro_batches
 from pipelinerl_fsdp.rl.loss import LossInput, LossStats, policy_loss
 from pipelinerl_fsdp.rl.objectives.reinforce_tis import ReinforceTISConfig
 from pipelinerl_fsdp.rl.step_metrics import mismatch
@@ -29,6 +29,12 @@ def test_stale_kv_by_age():
     assert stale_kv(kv, 4, 1) == [False, True, True, True, False]  # more than one version behind 4
     assert stale_kv(kv, 4, 3) == [False, True, False, False, False]
     assert stale_kv(kv, 4, 4) == [False] * 5
+
+
+def after_update_marks(versions: list[int]) -> list[float]:
+    """`completion_fields`' after-update marks of one completion."""
+    v = torch.tensor(versions, dtype=torch.long)
+    return completion_fields(v, torch.zeros_like(v), 1, version=0)["after_update"].tolist()
 
 
 def test_after_update_marks_tokens_sampled_after_an_update_within_the_sequence():

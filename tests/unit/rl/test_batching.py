@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from pipelinerl_fsdp.models.documents import Documents
@@ -115,3 +116,104 @@ def test_micro_batches_are_pinned_and_copied_asynchronously_on_cuda_only():
     (mb,) = rl_micro_batches([sample(3, 2), sample(2, 3)], budget=64, device=torch.device("cpu"), version=0)
     assert mb.input_ids.device.type == "cpu" and mb.loss_input.mask.device.type == "cpu"
     assert mb.loss_input.seq.data_ptr() == mb.seq_index.data_ptr()  # the loss's sequence index is the row's
+
+
+def reference_fields(samples: list[Sample], budget: int, version: int | None) -> list[dict]:
+    """The micro-batches of `rl_micro_batches` built token by token in Python (the packer before it was vectorised):
+    `pack_row` and `per_target` over per-token lists, the fields from their per-sequence definitions."""
+    from pipelinerl_fsdp.episodes import turn_spans
+    from pipelinerl_fsdp.rl.packing import nonzero_index, pack_into_bins, pack_row, per_target
+    from pipelinerl_fsdp.rl.positions import completion_tenths
+
+    def turns(v: list[int]) -> list[int]:
+        out = [0] * len(v)
+        for i, (a, b) in enumerate(turn_spans(v), 1):
+            out[a:b] = [i] * (b - a)
+        return out
+
+    def after_update(v: list[int]) -> list[float]:
+        first = next((x for x in v if x != ENV_VERSION), 0)
+        return [float(x != ENV_VERSION and x > first) for x in v]
+
+    seqs = [s.prompt_ids + s.completion_ids for s in samples]
+    per_token: dict[str, list[list[float]]] = {}
+    for s in samples:
+        pad, n = len(s.prompt_ids) - 1, len(s.completion_ids)
+        rows = {
+            "mask": [float(v != ENV_VERSION) for v in s.versions],
+            "behaviour_logp": list(s.logprobs),
+            "advantage": [s.advantage] * n,
+            "weight": [s.loss_weight] * n,
+        }
+        if version is not None:
+            rows["current"] = [float(v == version) for v in s.versions]
+            rows["after_update"] = after_update(s.versions)
+            rows["position"] = [float(i) for i in range(n)]
+            rows["tenth"] = [float(i) for i in completion_tenths(s.versions)]
+            rows["turn"] = [float(i) for i in turns(s.versions)]
+            rows["lag"] = [float(version - v) if v != ENV_VERSION else 0.0 for v in s.versions]
+        for k, v in rows.items():
+            per_token.setdefault(k, []).append([-1.0 if k == "position" else 0.0] * pad + v)
+    out = []
+    for b in pack_into_bins([len(s) for s in seqs], budget):
+        row = pack_row([seqs[i] for i in b])
+        fields = {k: per_target([seqs[i] for i in b], [v[i] for i in b], k, "cpu") for k, v in per_token.items()}
+        index = nonzero_index([m for i in b for m in per_token["mask"][i]], "cpu")
+        out.append({**vars(row), "logprob_index": index, **fields, "n_seq": len(b)})
+    return out
+
+
+def random_samples(rng: random.Random, n: int) -> list[Sample]:
+    """Prompts of 1-9 tokens, completions of 0-40 with environment runs (multi-turn), versions 2..6, in-flight
+    updates within sequences, random advantages and loss weights."""
+    out = []
+    for i in range(n):
+        p, c = rng.randint(1, 9), rng.randint(0, 40)
+        p = max(p, 2 - c)
+        versions, v = [], rng.randint(2, 5)
+        for _ in range(c):
+            v = min(6, v + (rng.random() < 0.1))
+            versions.append(ENV_VERSION if rng.random() < 0.15 else v)
+        s = Sample(
+            i // 4,
+            [rng.randrange(50) for _ in range(p)],
+            [rng.randrange(50) for _ in range(c)],
+            [-rng.random() * 3 for _ in range(c)],
+            versions,
+            float(rng.random() < 0.5),
+            rng.uniform(-2, 2),
+        )
+        s.loss_weight = rng.random()
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_micro_batches_equal_the_token_by_token_packer(seed: int):
+    """The vectorised packer gives every micro-batch of the token-by-token one, bit for bit: rows, offsets, loss
+    indices and every loss field (multi-turn environment runs, in-flight updates, prompts of 1 token, empty
+    completions), with and without a trained version."""
+    rng = random.Random(seed)
+    samples = random_samples(rng, rng.randint(1, 30))
+    budget = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples) + rng.randint(0, 80)
+    for version in (None, 5):
+        got = rl_micro_batches(samples, budget, torch.device("cpu"), version)
+        want = reference_fields(samples, budget, version)
+        assert len(got) == len(want)
+        for mb, ref in zip(got, want):
+            for k in ("input_ids", "position_ids", "targets", "seq_index", "logprob_index"):
+                assert torch.equal(getattr(mb, k), ref[k]), k
+            assert mb.documents.spans == ref["documents"].spans and mb.documents.max_len == ref["documents"].max_len
+            assert torch.equal(mb.documents.cu_seqlens, ref["documents"].cu_seqlens)
+            fields = [k for k in ref if k in vars(mb.loss_input) and k != "n_seq"]
+            assert len(fields) == (10 if version is not None else 4)
+            for k in fields:
+                assert torch.equal(getattr(mb.loss_input, k), ref[k]), (k, getattr(mb.loss_input, k), ref[k])
+            assert torch.equal(mb.loss_input.seq, ref["seq_index"][0]) and mb.loss_input.n_seq == ref["n_seq"]
+
+
+def test_micro_batches_refuse_samples_whose_lists_disagree():
+    s = sample(3, 4)
+    s.versions.pop()
+    with pytest.raises(ValueError, match="sample 0: 3 prompt tokens .* 4 completion tokens with 4 log-probs and 3"):
+        rl_micro_batches([s], 64, torch.device("cpu"), version=0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipelinerl_fsdp.config import LossConfig
-from pipelinerl_fsdp.rl.batching import after_update_marks, rl_micro_batches
+from pipelinerl_fsdp.rl.batching import completion_fields, rl_micro_batches
 from pipelinerl_fsdp.rl.loss import LossStats, micro_batch_loss, stats_from_sums
 from pipelinerl_fsdp.rl.normalization import assign_loss_weights
 from pipelinerl_fsdp.rl.objectives import CONFIGS
@@ -21,6 +21,12 @@ E = ENV_VERSION
 # prompt 3 tokens; model turn (versions 4, 4), environment answer (2 tokens), model turn after an update (5, 5, 5)
 VERSIONS = [4, 4, E, E, 5, 5, 5]
 ENV = [i for i, v in enumerate(VERSIONS) if v == E]
+
+
+def after_update_marks(versions: list[int]) -> list[float]:
+    """`completion_fields`' after-update marks of one completion."""
+    v = torch.tensor(versions, dtype=torch.long)
+    return completion_fields(v, torch.zeros_like(v), 1, version=0)["after_update"].tolist()
 
 
 def host_loss(*args: object) -> tuple[torch.Tensor, LossStats]:
