@@ -5,8 +5,6 @@ completions of any length."""
 
 from __future__ import annotations
 
-from pipelinerl_fsdp.samples import ENV_VERSION
-
 TENTHS = 10
 
 
@@ -16,18 +14,3 @@ def tenth(j: int, n: int) -> int:
     if not 0 <= j < n:
         raise ValueError(f"token {j} of a completion of {n} tokens")
     return TENTHS * j // n + 1
-
-
-def completion_tenths(versions: list[int]) -> list[int]:
-    """Per completion token (`Sample.versions`), its tenth among the completion's model tokens (`tenth`, j and n
-    counting only the tokens a policy sampled); 0 on environment tokens (multi-turn), which have no lag and no
-    loss."""
-    n = sum(1 for v in versions if v != ENV_VERSION)
-    out, j = [], 0
-    for v in versions:
-        if v == ENV_VERSION:
-            out.append(0)
-        else:
-            out.append(tenth(j, n))
-            j += 1
-    return out

@@ -7,11 +7,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+import torch
+
 from pipelinerl_fsdp.episodes import turn_spans
 from pipelinerl_fsdp.rewards.outcomes import OUTCOMES
+from pipelinerl_fsdp.rl.batching import completion_fields, flat
 from pipelinerl_fsdp.rl.ess import ess_from_sums
 from pipelinerl_fsdp.rl.loss import LossStats, position_bin_names
-from pipelinerl_fsdp.rl.positions import TENTHS, completion_tenths
+from pipelinerl_fsdp.rl.positions import TENTHS
 from pipelinerl_fsdp.samples import ENV_VERSION, EngineStats, Sample, model_versions
 
 
@@ -68,21 +72,25 @@ def lag_distribution(samples: list[Sample], trained_version: int) -> dict[str, f
     """The spread of the step's per-token lags (`token_lags`): `lag_p50`, `lag_p90` (`nearest_rank`);
     `lag_frac/<bin>`, the share of the sampled tokens whose lag falls in each range of LAG_BINS (summing to 1);
     `lag_pos/<i>`, the mean lag of the tokens in the i-th tenth of their completion (rl/positions.py), i = 1..10.
-    NaN where there is no token to measure (a tenth no completion reached: completions under 10 tokens)."""
-    lags = sorted(token_lags(samples, trained_version))
+    NaN where there is no token to measure (a tenth no completion reached: completions under 10 tokens). Vector
+    operations over the step's tokens (`completion_fields`), not a Python loop: the trainer computes this every step."""
+    versions = flat((s.versions for s in samples), np.int64)
+    sample = torch.repeat_interleave(
+        torch.arange(len(samples)), torch.tensor([len(s.versions) for s in samples], dtype=torch.long)
+    )
+    fields = completion_fields(versions, sample, len(samples), trained_version)
+    lags = fields["lag"][versions != ENV_VERSION].long()  # environment tokens have no version, so no lag
     n = len(lags)
-    out = {"lag_p50": nearest_rank(lags, 50), "lag_p90": nearest_rank(lags, 90)}
+    ordered = lags.sort().values.tolist()
+    out = {"lag_p50": nearest_rank(ordered, 50), "lag_p90": nearest_rank(ordered, 90)}
     for name, (lo, hi) in zip(lag_bin_names(), LAG_BINS):
-        inside = sum(1 for x in lags if x >= lo and (hi is None or x <= hi))
-        out[f"lag_frac/{name}"] = inside / n if n else float("nan")
-    total, count = [0.0] * TENTHS, [0] * TENTHS
-    for s in samples:
-        for v, t in zip(s.versions, completion_tenths(s.versions)):
-            if t:  # a policy's token (environment tokens have no tenth)
-                total[t - 1] += trained_version - v
-                count[t - 1] += 1
-    for i in range(TENTHS):
-        out[f"lag_pos/{i + 1}"] = total[i] / count[i] if count[i] else float("nan")
+        inside = (lags >= lo) if hi is None else (lags >= lo) & (lags <= hi)
+        out[f"lag_frac/{name}"] = int(inside.sum()) / n if n else float("nan")
+    tenth = fields["tenth"].long()  # 0: an environment token, in no tenth
+    total = torch.zeros(TENTHS + 1, dtype=torch.float64).index_add_(0, tenth, fields["lag"].double()).tolist()
+    count = torch.zeros(TENTHS + 1, dtype=torch.long).index_add_(0, tenth, torch.ones_like(tenth)).tolist()
+    for i in range(1, TENTHS + 1):
+        out[f"lag_pos/{i}"] = total[i] / count[i] if count[i] else float("nan")
     return out
 
 

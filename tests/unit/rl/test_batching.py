@@ -123,13 +123,18 @@ def reference_fields(samples: list[Sample], budget: int, version: int | None) ->
     `pack_row` and `per_target` over per-token lists, the fields from their per-sequence definitions."""
     from pipelinerl_fsdp.episodes import turn_spans
     from pipelinerl_fsdp.rl.packing import nonzero_index, pack_into_bins, pack_row, per_target
-    from pipelinerl_fsdp.rl.positions import completion_tenths
+    from pipelinerl_fsdp.rl.positions import tenth
 
     def turns(v: list[int]) -> list[int]:
         out = [0] * len(v)
         for i, (a, b) in enumerate(turn_spans(v), 1):
             out[a:b] = [i] * (b - a)
         return out
+
+    def tenths(v: list[int]) -> list[int]:
+        n = sum(x != ENV_VERSION for x in v)
+        model = iter(range(n))
+        return [0 if x == ENV_VERSION else tenth(next(model), n) for x in v]
 
     def after_update(v: list[int]) -> list[float]:
         first = next((x for x in v if x != ENV_VERSION), 0)
@@ -149,7 +154,7 @@ def reference_fields(samples: list[Sample], budget: int, version: int | None) ->
             rows["current"] = [float(v == version) for v in s.versions]
             rows["after_update"] = after_update(s.versions)
             rows["position"] = [float(i) for i in range(n)]
-            rows["tenth"] = [float(i) for i in completion_tenths(s.versions)]
+            rows["tenth"] = [float(i) for i in tenths(s.versions)]
             rows["turn"] = [float(i) for i in turns(s.versions)]
             rows["lag"] = [float(version - v) if v != ENV_VERSION else 0.0 for v in s.versions]
         for k, v in rows.items():
