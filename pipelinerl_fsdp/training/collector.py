@@ -6,12 +6,15 @@ Rules (the pure parts are functions below, unit-tested):
 - with `rl.filter_zero_advantage`, groups whose attempts all scored the same are dropped (and counted);
 - groups left over after a batch is full wait for the next step and are checked for staleness again then;
 - conventional mode: the whole round of `rl.sync_every` batches is collected at the round's first step (the
-  engines generate it all with one version, then idle) and handed out one batch per step.
+  engines generate it all with one version, then idle), shuffled with the job's seeded generator and handed out
+  one batch per step. Unshuffled, the round's first step would get the shortest groups (they arrive first) and its
+  last step the longest, always at lag G-1.
 """
 
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +44,13 @@ def group_lag(group: Group, version: int) -> int:
     return version - min((v for s in group for v in model_versions(s.versions)), default=version)
 
 
+def shuffled_round(groups: list[Group], rng: random.Random) -> list[Group]:
+    """A conventional round's groups in an order drawn from `rng` (a permutation: the same groups, each once)."""
+    out = list(groups)
+    rng.shuffle(out)
+    return out
+
+
 def split_stale(groups: list[Group], version: int, max_lag: int) -> tuple[list[Group], list[Group]]:
     """(fresh groups, stale groups) at trainer version `version`, order kept."""
     fresh = [g for g in groups if group_lag(g, version) <= max_lag]
@@ -62,6 +72,8 @@ class Collector:
     source: GroupSource
     rl: RLConfig
     n_engines: int
+    # orders each conventional round (seeded by the job: `job.seed`)
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
     counts: CollectorCounts = field(default_factory=CollectorCounts)
     buffer: list[Group] = field(default_factory=list)
     engine_stats: dict[int, EngineStats] = field(default_factory=dict)
@@ -114,7 +126,8 @@ class Collector:
         if self.rl.mode != "conventional":
             return [s for g in self._collect(version, timeout_s, want) for s in g]
         if not self._round:  # the whole round first: the engines generate it all, then idle
-            self._round = self._collect(version, timeout_s, self.rl.sync_every * self.rl.batch_size // self.rl.attempts)
+            whole = self._collect(version, timeout_s, self.rl.sync_every * self.rl.batch_size // self.rl.attempts)
+            self._round = shuffled_round(whole, self.rng)
         taken, self._round = self._round[:want], self._round[want:]
         return [s for g in taken for s in g]
 

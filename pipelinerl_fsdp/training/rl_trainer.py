@@ -8,6 +8,7 @@ optimizer step all trainer ranks gather the weights (LoRA: the adapters) and the
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -404,7 +405,7 @@ def run_trainer(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int)
         # The receive queue holds what the trainer takes at once (a step's groups, or a part with rl.waves): with
         # the engines' small send queues this bounds how far generation runs ahead of training (the lag).
         receiver = RolloutReceiver(world.rollout_group, n_engines, wave_groups(rl))
-        collector = Collector(receiver, rl, n_engines)
+        collector = Collector(receiver, rl, n_engines, random.Random(cfg.job.seed))
     # held-out evaluation runs on the engines; their reports are joined here
     eval_sets = list(task.eval_sets())
     evals = EvalAggregator(eval_sets, n_engines, cfg.eval.pass_k)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 import threading
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from pipelinerl_fsdp.config import RLConfig
 from pipelinerl_fsdp.rl.advantages import group_advantages
 from pipelinerl_fsdp.samples import EngineStats, Sample
-from pipelinerl_fsdp.training.collector import Collector, CollectorCounts, group_lag, split_stale
+from pipelinerl_fsdp.training.collector import Collector, CollectorCounts, group_lag, shuffled_round, split_stale
 
 
 def group(
@@ -108,15 +109,33 @@ def test_zero_advantage_groups_are_filtered_and_counted():
     assert c.counts.filtered_groups == 2 and c.counts.filtered_samples == 4 and c.counts.dropped_groups == 0
 
 
-def test_conventional_round_is_collected_at_its_first_step():
+def test_conventional_round_is_collected_at_its_first_step_and_handed_out_shuffled():
     groups = [group(i, [[0], [0]]) for i in range(6)]
     src = FakeSource(groups)
-    c = Collector(src, rl(mode="conventional", sync_every=3, max_lag=8), n_engines=1)
+    c = Collector(src, rl(mode="conventional", sync_every=3, max_lag=8), n_engines=1, rng=random.Random(5))
     first = c.next_batch(version=0, timeout_s=5)
     assert not src.groups  # all three batches of the round were taken at once
-    assert {s.group_id for s in first} == {0, 1}
-    assert {s.group_id for s in c.next_batch(version=1, timeout_s=5)} == {2, 3}
-    assert {s.group_id for s in c.next_batch(version=2, timeout_s=5)} == {4, 5}
+    batches = [first, c.next_batch(version=1, timeout_s=5), c.next_batch(version=2, timeout_s=5)]
+    ids = [[s.group_id for s in b[::2]] for b in batches]
+    assert all(len(b) == 4 for b in batches) and all(b[0].group_id == b[1].group_id for b in batches)
+    # the order the same seed draws (an independent shuffle of the arrival order), not the arrival order
+    expect = list(range(6))
+    random.Random(5).shuffle(expect)
+    assert ids == [expect[0:2], expect[2:4], expect[4:6]] and expect != list(range(6))
+
+
+def test_shuffled_round_is_a_permutation_with_the_same_multiset():
+    groups = [group(i % 7, [[0], [0]]) for i in range(40)]  # repeated ids: a multiset
+    rng = random.Random(0)
+    out = shuffled_round(groups, rng)
+    assert sorted(id(g) for g in out) == sorted(id(g) for g in groups)
+    assert [g[0].group_id for g in out] != [g[0].group_id for g in groups]
+    assert [g[0].group_id for g in shuffled_round(groups, random.Random(0))] == [g[0].group_id for g in out]
+    # the arrival order (shortest first) no longer decides which step gets which group: over many draws, the first
+    # group lands in the round's last quarter about a quarter of the time
+    first = id(groups[0])
+    last_quarter = sum([id(g) for g in shuffled_round(groups, random.Random(k))].index(first) >= 30 for k in range(400))
+    assert 60 <= last_quarter <= 140
 
 
 def test_a_step_taken_in_parts_gets_whole_groups_as_soon_as_they_arrive():
@@ -128,13 +147,13 @@ def test_a_step_taken_in_parts_gets_whole_groups_as_soon_as_they_arrive():
     assert [s.group_id for s in c.next_batch(version=2, timeout_s=5, groups=1)] == [1, 1]
 
 
-def test_conventional_round_taken_in_parts_keeps_its_order_and_is_collected_once():
+def test_conventional_round_taken_in_parts_is_collected_once_and_each_group_handed_out_once():
     src = FakeSource([group(i, [[0], [0]]) for i in range(4)])
     c = Collector(src, rl(mode="conventional", sync_every=2, max_lag=8), n_engines=1)
     parts = [c.next_batch(version=0, timeout_s=5, groups=1)]
     assert not src.groups  # the round's 4 groups were taken at its first part
     parts += [c.next_batch(version=0, timeout_s=5, groups=1) for _ in range(3)]
-    assert [p[0].group_id for p in parts] == [0, 1, 2, 3] and all(len(p) == 2 for p in parts)
+    assert sorted(p[0].group_id for p in parts) == [0, 1, 2, 3] and all(len(p) == 2 for p in parts)
 
 
 def test_stream_positions_per_engine_for_resume():
