@@ -76,8 +76,11 @@ def summarise(
         "lag_by_turn": lag_by_turn(steps),
         # fractions of the run's time, not means of the steps' fractions: steps differ in length (conventional G > 1
         # generates G batches in its first step and trains the next G - 1 without generating)
+        # Both as fractions of the run's wall time (the trainer's clock). The engines' busy seconds arrive with their
+        # groups, over their own windows, not the trainer's steps: weighting their per-step fraction by the trainer's
+        # step time misplaced the idle time of an alternating mode (conventional G=1's two fractions summed to 1.04).
         "trainer_busy_frac": time_weighted_mean(steps, "trainer_busy_frac"),
-        "inference_busy_frac": time_weighted_mean(steps, "inference_busy_frac"),
+        "inference_busy_frac": engine_busy_frac(steps) or time_weighted_mean(steps, "inference_busy_frac"),
         # where each side waited on the other (absent from runs older than these metrics)
         "trainer_push_blocked_frac": time_weighted_mean(steps, "trainer_push_blocked_frac"),
         "inference_send_blocked_frac": time_weighted_mean(steps, "inference_send_blocked_frac"),
@@ -86,7 +89,9 @@ def summarise(
         "min_ess_truncated": min(ess_truncated) if ess_truncated else None,
         # the mean lag of each tenth of the completion (1: its first tokens), over the steps that logged it
         "lag_by_tenth": mean_by_index(steps, "lag_pos/"),
-        "inference_occupancy": statistics.median(occupancy) if occupancy else None,
+        # the run's mean live sequences over the engines' busy seconds, over `inference.max_num_seqs` (every mode)
+        "inference_occupancy": busy_weighted(steps, "inference_occupancy")
+        or (statistics.median(occupancy) if occupancy else None),
         "steps_per_s": len(steps) / max(steps[-1]["wall_time_s"], 1e-9),
         "curve": {
             "wall_time_s": [r["wall_time_s"] for r in steps],
@@ -118,6 +123,21 @@ def mean_by_index(steps: list[dict], prefix: str) -> dict[str, float]:
             if k.startswith(prefix) and v is not None and math.isfinite(v):
                 out.setdefault(k[len(prefix) :], []).append(v)
     return {i: statistics.fmean(v) for i, v in sorted(out.items(), key=lambda kv: int(kv[0]))}
+
+
+def engine_busy_frac(steps: list[dict]) -> float | None:
+    """The engines' busy seconds per engine over the run's wall time (`inference_busy_s` summed over the steps, over
+    `inference_engines` and the last step's `wall_time_s`); None for records without them."""
+    if not steps or any(r.get("inference_busy_s") is None or not r.get("inference_engines") for r in steps):
+        return None
+    return sum(r["inference_busy_s"] / r["inference_engines"] for r in steps) / steps[-1]["wall_time_s"]
+
+
+def busy_weighted(steps: list[dict], key: str) -> float | None:
+    """Mean of a per-step quantity over the engines' busy time (`inference_busy_s` weights); None without it."""
+    rows = [r for r in steps if r.get(key) is not None and r.get("inference_busy_s")]
+    total = sum(r["inference_busy_s"] for r in rows)
+    return sum(r[key] * r["inference_busy_s"] for r in rows) / total if total > 0 else None
 
 
 def time_weighted_mean(steps: list[dict], key: str) -> float | None:

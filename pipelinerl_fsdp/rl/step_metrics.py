@@ -196,9 +196,12 @@ def step_metrics(
     engine_elapsed = max(engines.elapsed_s - engines_before.elapsed_s, 1e-9)
     busy = engines.busy_s - engines_before.busy_s
     occupancy = {}
+    seq_s = engines.seq_s - engines_before.seq_s
     if engine_slots and busy > 0:
-        # the mean batch while busy over the slots: a draining long tail shows here, not in the busy fraction
-        occupancy["inference_occupancy"] = (engines.seq_s - engines_before.seq_s) / busy / engine_slots
+        # the mean batch while busy over the slots (`inference.max_num_seqs`, in every mode: conventional G=1, whose
+        # round is one batch, cannot fill more than batch_size of them): a draining long tail shows here, not in the
+        # busy fraction
+        occupancy["inference_occupancy"] = seq_s / busy / engine_slots
     episodes = {}
     if multi_turn:
         episodes = episode_metrics(samples, trained_version)
@@ -249,6 +252,12 @@ def step_metrics(
         "trainer_busy_frac": (times.end - times.data - times.push_blocked_s) / (times.end - times.start),
         "trainer_push_blocked_frac": times.push_blocked_s / (times.end - times.start),
         "inference_busy_frac": busy / engine_elapsed,
+        # the sums behind the two fractions above, over the engines' own window (their stats arrive with the groups,
+        # so it is not the trainer's step), all engines together: a run's busy fraction and occupancy are sums of
+        # these over its steps
+        "inference_busy_s": busy,
+        "inference_elapsed_s": engine_elapsed,
+        "inference_seq_s": seq_s,
         "inference_send_blocked_frac": (engines.send_blocked_s - engines_before.send_blocked_s) / engine_elapsed,
         # sequences in flight whose KV cache the engines recomputed at this step's updates (inference.kv_max_age)
         "kv_recomputed_seqs": engines.kv_recomputed - engines_before.kv_recomputed,

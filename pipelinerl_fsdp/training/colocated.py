@@ -92,7 +92,10 @@ class Colocated:
         export_every: int,
         output_dir: Path,
         parts: ColocatedParts,
+        slots: int = 0,
     ) -> None:
+        # the occupancy's denominator: `inference.max_num_seqs`, as in the split modes (0: no occupancy)
+        self.slots = slots
         self.rl, self.loss, self.fmt, self.max_new_tokens = rl, loss, fmt, max_new_tokens
         self.log_every, self.export_every, self.output_dir = log_every, export_every, output_dir
         self.tokenizer, self.stops, self.stream, self.scorer = (
@@ -171,8 +174,15 @@ class Colocated:
             tokens, busy, seq_s = self.engine.stats()
             engines = EngineStats(gen_tokens=float(tokens), busy_s=busy, elapsed_s=t_end - t_zero, seq_s=seq_s)
             times = StepTimes(t_start, t_data, t_end, t_prev)
-            values = step_metrics(samples, trained_version, sums, engines, before, times, rl.batch_size)
-            values.update({"version": self.version, "samples": (step + 1) * rl.batch_size, "grad_norm": grad_norm})
+            values = step_metrics(samples, trained_version, sums, engines, before, times, self.slots)
+            values.update(
+                {
+                    "version": self.version,
+                    "samples": (step + 1) * rl.batch_size,
+                    "grad_norm": grad_norm,
+                    "inference_engines": 1,
+                }
+            )
             before, t_prev = engines, t_end
             last = step + 1 == rl.max_steps
             self.logger.log(step + 1, values, console=(step + 1) % self.log_every == 0 or step == 0 or last)
@@ -272,6 +282,7 @@ def run_colocated(cfg: Config) -> None:
         cfg.checkpoint.export_every,
         out,
         parts,
+        cfg.inference.max_num_seqs,
     )
     run.run()
     dist.destroy_process_group()

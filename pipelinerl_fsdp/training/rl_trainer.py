@@ -256,6 +256,7 @@ class RLTrainer:
                 "push_mb": push.bytes / 1e6 if push else float("nan"),  # what one update moves (LoRA: adapters)
                 "push_s": self._push_s,
                 "queue_size": c.queued_samples(),
+                "inference_engines": len(c.engine_stats),  # the engines whose stats the step's sums add up
                 "dropped_stale": c.counts.dropped_samples,
                 "dropped_stale_groups": c.counts.dropped_groups,
                 "filtered_zero_adv": c.counts.filtered_samples,

@@ -105,6 +105,62 @@ def test_occupancy_is_the_median_over_busy_steps_and_absent_where_never_measured
     assert "| 0.80 |" in ls.table(results, 0.5, 10, None, 3)
 
 
+def alternating_steps(n: int, gen: float, train: float, push: float) -> list[dict]:
+    """Step records of strictly alternating sides (conventional G=1), built as the job logs them: the trainer's step
+    runs from the end of the last one (wait for data: the engine generates `gen` s; then it trains `train` s and pushes
+    `push` s, the engine paused meanwhile); the engine's stats arrive with its last group, so its window runs from its
+    previous send to this one (the first from its start)."""
+    out, t = [], 0.0
+    for i in range(n):
+        elapsed = gen if i == 0 else train + push + gen  # the engine idled through the last step's training and push
+        t += gen + train + push
+        step = gen + train + push
+        out.append(
+            {
+                "reward_mean": 0.5,
+                "wall_time_s": t,
+                "samples": 64 * (i + 1),
+                "ess": 1.0,
+                "lag_mean": 0.0,
+                "lag_max": 0,
+                "mixed_version_frac": 0.0,
+                "trainer_busy_frac": (train + push) / step,
+                "inference_busy_frac": gen / elapsed,
+                "inference_busy_s": gen,
+                "inference_elapsed_s": elapsed,
+                "inference_engines": 1,
+                "inference_occupancy": 0.5,
+            }
+        )
+    return out
+
+
+@pytest.mark.parametrize("gen,train,push", [(1.0, 1.0, 0.0), (3.0, 1.0, 0.2), (0.5, 2.0, 0.1)])
+def test_the_busy_fractions_of_alternating_sides_sum_to_one(gen, train, push):
+    s = st.summarise(alternating_steps(12, gen, train, push), 0.9, [], 2)
+    # each side busy exactly while the other waits: the run's two fractions are gen / (gen + train + push) and the
+    # rest, whatever the windows their stats come in
+    assert s["trainer_busy_frac"] == pytest.approx((train + push) / (gen + train + push))
+    assert s["inference_busy_frac"] == pytest.approx(gen / (gen + train + push))
+    assert s["trainer_busy_frac"] + s["inference_busy_frac"] == pytest.approx(1.0)
+    # the step-time weighting of the engines' own-window fractions (the old definition) sums above 1 here, and so
+    # does their busy over their own elapsed seconds (their window ends before the last step's training)
+    steps = alternating_steps(12, gen, train, push)
+    old = st.time_weighted_mean(steps, "inference_busy_frac")
+    own = sum(r["inference_busy_s"] for r in steps) / sum(r["inference_elapsed_s"] for r in steps)
+    assert old + s["trainer_busy_frac"] > 1.0 + 1e-3 and own + s["trainer_busy_frac"] > 1.0 + 1e-3
+
+
+def test_occupancy_is_the_busy_weighted_mean_of_the_steps():
+    recs = alternating_steps(4, 1.0, 1.0, 0.0)
+    for r, (busy, occ) in zip(recs, [(1.0, 0.2), (3.0, 0.6), (1.0, 0.2), (0.0, None)]):
+        r["inference_busy_s"], r["inference_occupancy"] = busy, occ
+        if occ is None:
+            del r["inference_occupancy"]
+    # sequence-seconds over busy seconds: (0.2 + 1.8 + 0.2) / 5
+    assert st.summarise(recs, 0.9, [], 2)["inference_occupancy"] == pytest.approx(2.2 / 5)
+
+
 def test_crossing_interpolates_between_the_exports_around_the_first_hit():
     xs, ys = [0.0, 10.0, 20.0, 30.0], [0.7, 0.8, 0.9, 0.85]
     assert heldout.crossing(xs, ys, 0.85) == pytest.approx(15.0)  # halfway from 0.8 (t=10) to 0.9 (t=20)
