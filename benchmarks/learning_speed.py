@@ -50,18 +50,23 @@ against it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
+import random
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from benchmarks.harness import ROOT, run_job, run_logged
 from benchmarks.heldout import Evaluator
+from benchmarks.learning_speed_claims import claims, claims_table
 from benchmarks.learning_speed_plots import plot, plot_lag
 from benchmarks.learning_speed_stats import aggregate, overlap_bound, speedups, summarise
-from benchmarks.learning_speed_tasks import TASK_CONFIG, TASK_ENGINE, TASK_SETTINGS, task_args
+from benchmarks.learning_speed_tasks import TASK_CONFIG, TASK_ENGINE, TASK_SETTINGS, RunSpec, parse_mode, task_args
 from benchmarks.token_lag import histogram, lag_summary, read_dumps
 from pipelinerl_fsdp.configure import load_config
 from pipelinerl_fsdp.runtime.torchrun import job_command
@@ -124,6 +129,31 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="no runs: recompute --out's tables, JSON and plots from its runs' step metrics and the held-out curves "
         "its JSON holds (after a change to the statistics)",
+    )
+    p.add_argument(
+        "--order",
+        choices=["random", "fixed"],
+        default="random",
+        help="the order of the modes within each seed: drawn from the seed (default), or as --modes lists them",
+    )
+    p.add_argument(
+        "--lock",
+        type=Path,
+        default=None,
+        help="hold an exclusive flock on this file while each seed's runs go (a machine shared with other jobs: "
+        "they wait between seeds, never during a timed run)",
+    )
+    p.add_argument(
+        "--summary",
+        type=Path,
+        default=None,
+        help="also write the runs' summaries to this JSON (small; what --report regenerates every table and plot from)",
+    )
+    p.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        help="no runs: the tables, JSON and plots again under --out from a --summary file, bit for bit",
     )
     p.add_argument(
         "--replot",
@@ -237,6 +267,40 @@ def lag_table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def cpu_lock(path: Path | None) -> Iterator[None]:
+    """An exclusive flock on `path` for the block (nothing without a path)."""
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def mode_order(specs: list[RunSpec], seed: int, order: str) -> list[RunSpec]:
+    """The modes of one seed in the order they run: drawn from the seed (`random`), or as given."""
+    out = list(specs)
+    if order == "random":
+        random.Random(seed).shuffle(out)
+    return out
+
+
+def run_mode(spec: RunSpec, common: list[str], engine: str, seed: int, out: Path, log: Path, nproc: int) -> None:
+    """One run of `spec` into `out` (a clean folder: an earlier run's checkpoints would be resumed from)."""
+    shutil.rmtree(out, ignore_errors=True)
+    args = [*common, f"--inference.engine={engine}", f"--job.seed={seed}", f"--job.output_dir={out}"]
+    if spec.mode == "colocated":
+        run_logged(*colocated_command(args), log)
+        return
+    # conventional takes whole batches (its round is complete before training: parts would only cost)
+    whole = ["--rl.waves=1"] if spec.mode == "conventional" else []
+    run_job([*args, f"--rl.mode={spec.mode}", f"--rl.sync_every={spec.k}", *whole], log, nproc)
+
+
 def main() -> None:
     a = parse_args()
     if a.replot:
@@ -249,15 +313,22 @@ def main() -> None:
     if a.resummarise:
         resummarise(a.out)
         return
+    if a.report:
+        report_from_summary(a.report, a.out)
+        return
     ts = TASK_SETTINGS[a.task]
     a.config = a.config or TASK_CONFIG[a.task]
     default_target, default_more = ts.accuracy_targets if a.metric == "accuracy" else ts.reward_targets
     target = a.target if a.target is not None else default_target
     more_targets = [float(x) for x in (a.more_targets if a.more_targets is not None else default_more).split(",") if x]
+    # targets stated as gains over the warm start's own held-out accuracy (the task's, unless given on the command
+    # line): one command gives comparable tables on machines whose warm starts land differently
+    relative = ts.relative_targets and a.metric == "accuracy" and a.target is None and a.more_targets is None
     # with held-out accuracy as the metric, the sampled reward's times to its own targets are reported beside it
     reward_targets = sorted({ts.reward_targets[0], *map(float, ts.reward_targets[1].split(","))})
     steps = a.steps or (ts.quick_steps if a.quick else ts.full_steps)
-    modes = a.modes or (ts.quick_modes if a.quick else ts.full_modes)
+    specs = [parse_mode(x) for x in (a.modes or (ts.quick_modes if a.quick else ts.full_modes)).split(",")]
+    default_engine = a.engine or TASK_ENGINE[a.task]
     eval_size = a.eval_size if a.eval_size is not None else ts.eval_size[0 if a.quick else 1]
     eval_every = a.eval_every or ts.eval_every[0 if a.quick else 1]
     a.out.mkdir(parents=True, exist_ok=True)
@@ -267,18 +338,23 @@ def main() -> None:
         f"--rl.max_steps={steps}",
         "--eval.every=0",
         "--metrics.log_every=25",
-        f"--inference.engine={a.engine or TASK_ENGINE[a.task]}",
         *([f"--loss.name={a.loss}"] if a.loss else []),
         *(["--checkpoint.export_every=" + str(eval_every)] if a.metric == "accuracy" else []),
         *a.extra,
     ]
     # The warm start once, shared by every mode and seed (its folder is reused when it exists).
     t0 = time.time()
-    run_job(
-        [*common, "--job.stage=warmstart", "--world.inference_ranks=0", f"--job.output_dir={a.out / 'warmstart_run'}"],
-        a.out / "warmstart.log",
-        a.nproc - a.inference_ranks,
-    )
+    with cpu_lock(a.lock):
+        run_job(
+            [
+                *common,
+                "--job.stage=warmstart",
+                "--world.inference_ranks=0",
+                f"--job.output_dir={a.out / 'warmstart_run'}",
+            ],
+            a.out / "warmstart.log",
+            a.nproc - a.inference_ranks,
+        )
     print(f"warm start ready ({time.time() - t0:.0f} s)", flush=True)
     evaluator, start_accuracy, metric = None, None, ""
     if a.metric == "accuracy":
@@ -288,10 +364,19 @@ def main() -> None:
         job_cfg = load_config(common)
         # exports are evaluated one per core at a time; the warm start here, on every core
         evaluator = Evaluator(job_cfg, eval_size, workers=len(os.sched_getaffinity(0)))
-        start_accuracy = evaluator.accuracy(Path(job_cfg.warmstart.path))
+        with cpu_lock(a.lock):
+            start_accuracy = evaluator.accuracy(Path(job_cfg.warmstart.path))
+        if relative:
+            target = round(start_accuracy + target, 3)
+            more_targets = [round(start_accuracy + x, 3) for x in more_targets]
         metric = (
             f"held-out greedy accuracy ({len(evaluator.problems)} problems) of the policy exported every "
             f"{eval_every} steps, linear between exports"
+            + (
+                f"; targets: the warm start's {start_accuracy:.3f} + {default_target} (+ {default_more})"
+                if relative
+                else ""
+            )
         )
         print(f"warm start: held-out greedy accuracy {start_accuracy:.3f} on {len(evaluator.problems)} problems")
         if start_accuracy >= min(target, *more_targets):
@@ -300,45 +385,38 @@ def main() -> None:
                 f"{min(target, *more_targets)}: time to target would be 0 for every mode. Delete the folder (the "
                 "preset's warm start stops at a fixed accuracy) or raise --target / --more-targets"
             )
-    per_seed: dict[str, list[dict]] = {}
+    per_seed: dict[str, list[dict]] = {spec.name: [] for spec in specs}
+    orders: dict[str, list[str]] = {}
     for seed in range(a.first_seed, a.first_seed + a.seeds):
-        for spec in modes.split(","):
-            mode, _, g = spec.partition(":")
-            g = g or "1"
-            name = f"{mode}_G{g}" if mode == "conventional" else mode
-            out = a.out / "runs" / f"{name}_seed{seed}"
-            t0 = time.time()
-            # a clean folder: an earlier run's checkpoints would be resumed from, its exports evaluated as this run's
-            shutil.rmtree(out, ignore_errors=True)
-            args = [*common, f"--job.seed={seed}", f"--job.output_dir={out}"]
-            if mode == "colocated":
-                run_logged(*colocated_command(args), a.out / f"{name}_seed{seed}.log")
-            else:
-                # conventional takes whole batches (its round is complete before training: parts would only cost)
-                whole = ["--rl.waves=1"] if mode == "conventional" else []
-                mode_args = [f"--rl.mode={mode}", f"--rl.sync_every={g}", *whole]
-                run_job([*args, *mode_args], a.out / f"{name}_seed{seed}.log", a.nproc)
-            recs = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
-            t_eval = time.time()
-            # the exports up to the first at the highest target, and the final policy (the rest would only cost time)
-            until = max(target, *more_targets)
-            curve = evaluator.curve(out, start_accuracy, until) if evaluator is not None else None
-            t_eval = time.time() - t_eval
-            r = summarise(recs, target, more_targets, a.window, curve, reward_targets)
-            hist = histogram(read_dumps(out))
-            if hist:  # the run's exact token lags (metrics.rollouts_every = 1: every step's batch)
-                r["token_lag"] = lag_summary(hist)
-            per_seed.setdefault(name, []).append(r)
-            print(
-                f"{name} seed {seed}: {time.time() - t0:.0f} s in all (evaluation {t_eval:.0f} s), time to target "
-                f"{fmt(r['time_to_target_s'], '.1f')} s, final reward {r['final_reward']:.3f}, "
-                + (f"final accuracy {r['final_accuracy']:.3f}, " if curve else "")
-                + f"mean ESS {r['mean_ess']:.3f}, steps/s {r['steps_per_s']:.2f}",
-                flush=True,
-            )
+        order = mode_order(specs, seed, a.order)
+        orders[str(seed)] = [spec.name for spec in order]
+        with cpu_lock(a.lock):  # a seed's runs side by side on a quiet machine
+            for spec in order:
+                name = spec.name
+                out = a.out / "runs" / f"{name}_seed{seed}"
+                t0 = time.time()
+                engine = "reference" if spec.mode == "colocated" else spec.engine or default_engine
+                run_mode(spec, common, engine, seed, out, a.out / f"{name}_seed{seed}.log", a.nproc)
+                recs = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+                t_eval = time.time()
+                # the exports up to the first at the highest target, and the final policy (the rest would cost)
+                until = max(target, *more_targets)
+                curve = evaluator.curve(out, start_accuracy, until) if evaluator is not None else None
+                t_eval = time.time() - t_eval
+                r = summarise(recs, target, more_targets, a.window, curve, reward_targets)
+                hist = histogram(read_dumps(out))
+                if hist:  # the run's exact token lags (metrics.rollouts_every = 1: every step's batch)
+                    r["token_lag"] = lag_summary(hist)
+                per_seed[name].append(r)
+                print(
+                    f"{name} seed {seed}: {time.time() - t0:.0f} s in all (evaluation {t_eval:.0f} s), time to "
+                    f"target {fmt(r['time_to_target_s'], '.1f')} s, final reward {r['final_reward']:.3f}, "
+                    + (f"final accuracy {r['final_accuracy']:.3f}, " if curve else "")
+                    + f"mean ESS {r['mean_ess']:.3f}, steps/s {r['steps_per_s']:.2f}",
+                    flush=True,
+                )
     if evaluator is not None:
         evaluator.close()
-    results = {name: aggregate(runs) for name, runs in per_seed.items()}
     meta = {
         "task": a.task,
         "config": a.config,
@@ -347,6 +425,7 @@ def main() -> None:
         "first_seed": a.first_seed,
         "target": target,
         "more_targets": more_targets,
+        "relative_targets": relative,
         "window": a.window,
         "metric": a.metric,
         "eval_size": eval_size if evaluator else None,
@@ -355,13 +434,33 @@ def main() -> None:
         "reward_targets": reward_targets if evaluator else None,
         "nproc": a.nproc,
         "inference_ranks": a.inference_ranks,
-        "engine": a.engine or TASK_ENGINE[a.task],
+        "engine": default_engine,
         "loss": a.loss,
         "metric_text": metric,
         "extra": a.extra,
         "cpu_count": os.cpu_count(),
+        "order": a.order,
+        "orders": orders,
+        "command": "python -m benchmarks.learning_speed " + " ".join(sys.argv[1:]),
     }
-    write_report(a.out, results, meta)
+    summary = a.summary or a.out / "summary.json"
+    write_summary(summary, per_seed, meta)
+    report_from_summary(summary, a.out)
+
+
+def write_summary(path: Path, per_seed: dict[str, list[dict]], meta: dict) -> None:
+    """The runs' summaries (per mode, per seed: what `summarise` made of each run) and the settings: everything the
+    report is computed from, small enough to keep in the repository."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": meta, "runs": per_seed}, indent=1) + "\n")
+
+
+def report_from_summary(path: Path, out: Path) -> None:
+    """Every table, JSON and plot of the report under `out`, computed from a `write_summary` file alone."""
+    saved = json.loads(path.read_text())
+    results = {name: aggregate(runs) for name, runs in saved["runs"].items() if runs}
+    out.mkdir(parents=True, exist_ok=True)
+    write_report(out, results, saved["settings"])
 
 
 def write_report(out: Path, results: dict, meta: dict) -> None:
@@ -382,6 +481,8 @@ def write_report(out: Path, results: dict, meta: dict) -> None:
             for name, v in by_turn.items()
         )
     md += lag_table(results)
+    if meta["seeds"] >= 2:
+        md += "\n\n" + claims_table(claims(results, meta["engine"]), meta["seeds"])
     print(md, flush=True)
     (out / "learning_speed.json").write_text(json.dumps({"settings": meta, "bound": bound, "modes": results}, indent=1))
     (out / "learning_speed.md").write_text(md + "\n")

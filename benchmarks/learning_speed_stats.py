@@ -5,6 +5,7 @@ overlap bound B and the speed-ups between modes' medians."""
 from __future__ import annotations
 
 import math
+import random
 import statistics
 
 from benchmarks.heldout import crossing
@@ -260,3 +261,39 @@ def speedups(results: dict[str, dict]) -> None:
         v["throughput_vs_conventional"] = ratio(v["steps_per_s"], base and base["steps_per_s"])
         if coloc is not None:
             v["speedup_vs_colocated"] = ratio(coloc["time_to_target_s"], t)
+
+
+def paired_ratio(
+    base: list[dict],
+    runs: list[dict],
+    key: str = "time_to_target_s",
+    target: str | None = None,
+    resamples: int = 10_000,
+    seed: int = 0,
+) -> dict:
+    """Per seed, base's time over this mode's (> 1: this mode is faster), the seeds paired by index (the same
+    `job.seed`: problems and sampling); their geometric mean and its 95% bootstrap interval (seeds resampled with
+    replacement, percentiles 2.5 / 97.5 of the resampled geometric means, a fixed generator: the same numbers every
+    time). A run that never reached the target counts with its whole wall time, a bound on its time to target (the
+    ratio is then a bound too: `censored` counts them). `target`: a further target's key in `time_to_targets_s`."""
+
+    def time(r: dict) -> tuple[float, bool]:
+        t = r[key] if target is None else r["time_to_targets_s"][target]
+        return (r["wall_s"], True) if t is None else (t, False)
+
+    ratios, censored = [], 0
+    for b, r in zip(base, runs, strict=True):
+        (tb, cb), (tr, cr) = time(b), time(r)
+        ratios.append(tb / tr)
+        censored += cb or cr
+    logs = [math.log(x) for x in ratios]
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(resamples))
+    lo, hi = means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+    return {
+        "per_seed": ratios,
+        "geo_mean": math.exp(statistics.fmean(logs)),
+        "ci95": [math.exp(lo), math.exp(hi)],
+        "excludes_1": math.exp(lo) > 1 or math.exp(hi) < 1,
+        "censored": censored,
+    }

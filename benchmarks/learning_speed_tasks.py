@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ENGINES = ("vllm", "reference")
+
 # the modes of a full run unless the task says otherwise
 FULL_MODES = "pipeline,conventional:1,conventional:2,conventional:4,conventional:8,async,colocated"
 
@@ -30,6 +32,8 @@ class TaskSettings:
     full_modes: str = FULL_MODES
     # overrides of every run of the task (after the presets, before --extra)
     extra: tuple[str, ...] = ()
+    # the accuracy targets are gains over the warm start's own held-out accuracy, not absolute
+    relative_targets: bool = False
 
 
 TASK_SETTINGS = {
@@ -148,3 +152,38 @@ def config_args(config: str, ts: TaskSettings) -> list[str]:
 def task_args(config: str, ts: TaskSettings) -> list[str]:
     """The task's config and presets (`config_args`), then the task's own overrides."""
     return [*config_args(config, ts), *ts.extra]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One mode of a benchmark: `rl.mode`, its G (conventional) or staleness bound (async: weights pushed every k
+    steps), both as `rl.sync_every`, and the engine (None: the task's)."""
+
+    name: str
+    mode: str
+    k: int
+    engine: str | None
+
+
+def parse_mode(spec: str) -> RunSpec:
+    """`MODE[:K][@ENGINE]`: pipeline, conventional:4, async:2@reference, colocated. Names: pipeline, conventional_G4,
+    async (K = 1) / async_K2, colocated; with `@ENGINE`, the name ends in `@ENGINE`."""
+    body, _, engine = spec.strip().partition("@")
+    mode, _, k = body.partition(":")
+    modes = ("pipeline", "conventional", "async", "colocated")
+    if mode not in modes:
+        raise SystemExit(f"--modes: {spec!r}: the mode must be one of {', '.join(modes)}")
+    if engine and engine not in ENGINES:
+        raise SystemExit(f"--modes: {spec!r}: the engine after @ must be one of {', '.join(ENGINES)}")
+    if k and (not k.isdigit() or int(k) < 1):
+        raise SystemExit(f"--modes: {spec!r}: K after ':' must be an integer >= 1")
+    if k and mode in ("pipeline", "colocated"):
+        raise SystemExit(f"--modes: {spec!r}: only conventional (G) and async (its bound) take ':K'")
+    if mode == "colocated" and engine == "vllm":
+        raise SystemExit(
+            f"--modes: {spec!r}: the colocated mode runs the reference engine only (one process that generates and "
+            "trains in turn; training/colocated.py)"
+        )
+    kk = int(k or 1)
+    name = {"conventional": f"conventional_G{kk}", "async": "async" if kk == 1 else f"async_K{kk}"}.get(mode, mode)
+    return RunSpec(name + (f"@{engine}" if engine else ""), mode, kk, engine or None)
