@@ -140,8 +140,8 @@ def parse_args() -> argparse.Namespace:
         "--lock",
         type=Path,
         default=None,
-        help="hold an exclusive flock on this file while each seed's runs go (a machine shared with other jobs: "
-        "they wait between seeds, never during a timed run)",
+        help="hold an exclusive flock on this file through each run and its evaluation (a machine shared with other "
+        "jobs: they go between two runs, never during a timed one)",
     )
     p.add_argument(
         "--summary",
@@ -321,8 +321,8 @@ def main() -> None:
     default_target, default_more = ts.accuracy_targets if a.metric == "accuracy" else ts.reward_targets
     target = a.target if a.target is not None else default_target
     more_targets = [float(x) for x in (a.more_targets if a.more_targets is not None else default_more).split(",") if x]
-    # targets stated as gains over the warm start's own held-out accuracy (the task's, unless given on the command
-    # line): one command gives comparable tables on machines whose warm starts land differently
+    # targets stated relative to the warm start's own held-out accuracy a: a + f (1 - a) for the task's fractions f
+    # (unless given on the command line): one command gives comparable tables where warm starts land differently
     relative = ts.relative_targets and a.metric == "accuracy" and a.target is None and a.more_targets is None
     # with held-out accuracy as the metric, the sampled reward's times to its own targets are reported beside it
     reward_targets = sorted({ts.reward_targets[0], *map(float, ts.reward_targets[1].split(","))})
@@ -366,9 +366,9 @@ def main() -> None:
         evaluator = Evaluator(job_cfg, eval_size, workers=len(os.sched_getaffinity(0)))
         with cpu_lock(a.lock):
             start_accuracy = evaluator.accuracy(Path(job_cfg.warmstart.path))
-        if relative:
-            target = round(start_accuracy + target, 3)
-            more_targets = [round(start_accuracy + x, 3) for x in more_targets]
+        if relative:  # the share of the warm start's remaining error closed
+            target = round(start_accuracy + target * (1 - start_accuracy), 3)
+            more_targets = [round(start_accuracy + x * (1 - start_accuracy), 3) for x in more_targets]
         metric = (
             f"held-out greedy accuracy ({len(evaluator.problems)} problems) of the policy exported every "
             f"{eval_every} steps, linear between exports"
@@ -390,8 +390,8 @@ def main() -> None:
     for seed in range(a.first_seed, a.first_seed + a.seeds):
         order = mode_order(specs, seed, a.order)
         orders[str(seed)] = [spec.name for spec in order]
-        with cpu_lock(a.lock):  # a seed's runs side by side on a quiet machine
-            for spec in order:
+        for spec in order:
+            with cpu_lock(a.lock):  # each run and its evaluation on a quiet machine
                 name = spec.name
                 out = a.out / "runs" / f"{name}_seed{seed}"
                 t0 = time.time()
@@ -408,6 +408,8 @@ def main() -> None:
                 if hist:  # the run's exact token lags (metrics.rollouts_every = 1: every step's batch)
                     r["token_lag"] = lag_summary(hist)
                 per_seed[name].append(r)
+                # after every run: a run that fails later keeps what the earlier ones measured
+                write_summary(a.summary or a.out / "summary.json", per_seed, {"partial": True, "orders": orders})
                 print(
                     f"{name} seed {seed}: {time.time() - t0:.0f} s in all (evaluation {t_eval:.0f} s), time to "
                     f"target {fmt(r['time_to_target_s'], '.1f')} s, final reward {r['final_reward']:.3f}, "
