@@ -27,6 +27,9 @@ if [ "$NNODES" = 1 ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
   exec "$PY" -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node "$NPROC_PER_NODE" \
     --max-restarts "$MAX_RESTARTS" run_train.py "${args[@]}" "$@"
 fi
+# multi-node: a rendezvous host this node cannot resolve or reach, or a gloo interface other nodes cannot reach, is
+# named here within seconds (torchrun would retry for a minute or more, or fail later naming neither)
+"$PY" -m pipelinerl_fsdp.runtime.network "$RDZV_ENDPOINT" || exit 2
 exec "$PY" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC_PER_NODE" \
   --max-restarts "$MAX_RESTARTS" --node-rank "${NODE_RANK:-0}" --rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" \
   --rdzv-id "${RDZV_ID:-pipelinerl}" run_train.py "${args[@]}" "$@"

@@ -20,10 +20,11 @@ def executable(path: Path, text: str) -> Path:
 
 
 def fake_python(tmp: Path) -> Path:
-    # the config query runs for real; the torchrun launch is printed
+    # the config query runs for real; the network check and the torchrun launch are printed
     return executable(
         tmp / "python",
         f'#!/usr/bin/env bash\nif [ "$2" = pipelinerl_fsdp.launch ]; then exec {sys.executable} "$@"; fi\n'
+        'if [ "$2" = pipelinerl_fsdp.runtime.network ]; then echo "NETCHECK node=${NODE_RANK:-0} $3"; exit 0; fi\n'
         'echo "TORCHRUN node=${NODE_RANK:-0} $*"\n',
     )
 
@@ -71,6 +72,9 @@ def test_slurm_wrapper_starts_one_agent_per_node(tmp_path):
     data = ["--task.train_files=['data/math/orz.parquet']", "--task.eval_files=['data/math/orz_saved']"]
     r = run(["bash", "scripts/slurm_train.sh", "--config", "math", f"--model.path={tmp_path}", *data], env)
     assert r.returncode == 0, r.stderr
+    # each node checks the rendezvous host and its interface before its torchrun starts
+    checks = [x for x in r.stdout.splitlines() if x.startswith(("NETCHECK", "TORCHRUN"))]
+    assert checks[0::2] == ["NETCHECK node=0 gpu-a:29500", "NETCHECK node=1 gpu-a:29500"], r.stdout
     lines = [x for x in r.stdout.splitlines() if x.startswith("TORCHRUN")]
     assert len(lines) == 2, r.stdout
     for node, line in enumerate(lines):
