@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from benchmarks.rl_step_speed import SHAPES, documents, rl_samples, step_flops
+from benchmarks.rl_step_speed import SHAPES, documents, peak_tflops, rl_samples, step_flops
 from pipelinerl_fsdp.config import LoRAConfig
 from pipelinerl_fsdp.models import build_model, flavour_args
 from pipelinerl_fsdp.models.lora import init_adapters
@@ -79,3 +79,22 @@ def test_the_matrix_product_flops_are_what_autograd_runs(rank):
     counted = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
     f = step_flops(args, [16], head_tokens=16, lora_rank=rank)
     assert counted["aten.mm"] + counted.get("aten.addmm", 0) == f["blocks"] + f["head"] + f.get("adapters", 0)
+
+
+@pytest.mark.parametrize(
+    "name, tflops",
+    [  # NVIDIA's data sheets, dense bf16 (half the sparse figure)
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H200 NVL", 835.0),
+        ("NVIDIA A10G", None),
+    ],
+)
+def test_the_peak_is_the_gpus_own_the_pcie_and_nvl_cards_before_the_sxm_ones(monkeypatch, name, tflops):
+    """`peak_tflops` matches the GPU's name against the table in order: "H100 PCIe" must win over "H100" (which
+    it contains), or the MFU the GPU check reports on a PCIe card is taken against the SXM peak (989 for 756)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_tflops(torch.device("cuda", 0), None) == tflops
+    assert peak_tflops(torch.device("cuda", 0), 123.0) == 123.0 and peak_tflops(torch.device("cpu"), None) is None

@@ -4,13 +4,14 @@ after an adapter push against one opened on the merged weights."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import types
 from collections import deque
 
 import pytest
 import torch
 
-from pipelinerl_fsdp.config import InferenceConfig, LoRAConfig
+from pipelinerl_fsdp.config import InferenceConfig, JobConfig, LoRAConfig
 from pipelinerl_fsdp.inference.engine import EngineSettings, Request
 from pipelinerl_fsdp.inference.lora_merge import (
     VLLM_PACKED,
@@ -24,6 +25,7 @@ from pipelinerl_fsdp.inference.lora_merge import (
     slab_layout,
 )
 from pipelinerl_fsdp.inference.reference_engine import ReferenceEngine
+from pipelinerl_fsdp.job.weight_sync import WeightSyncLayout, weight_sync_layout
 from pipelinerl_fsdp.models import build_model, flavour_args, save_hf_folder
 from pipelinerl_fsdp.models.lora import adapter_layout, adapter_parameters, apply_lora, merge_adapters, merged_weight
 from pipelinerl_fsdp.transport import weights
@@ -130,11 +132,15 @@ class Wire:
 
     def receive(self, tensor: torch.Tensor, src: int, group: object = None, async_op: bool = False) -> Done:
         if tensor.dtype != torch.long:  # a bucket (the header is int64)
-            tensor.copy_(self.buckets.popleft())
+            sent = self.buckets.popleft()
+            # a broadcast moves bytes: a receive buffer of another dtype or size hangs or garbles it (NCCL), where
+            # `copy_` would convert silently
+            assert (tensor.dtype, tensor.shape) == (sent.dtype, sent.shape), (tensor.dtype, tensor.shape, sent)
+            tensor.copy_(sent)
         return Wire.Done()
 
 
-def settings(folder, lora: LoRAConfig | None) -> EngineSettings:
+def settings(folder, lora: LoRAConfig | None, dtype: torch.dtype = torch.float32) -> EngineSettings:
     return EngineSettings(
         inference=InferenceConfig(engine="reference", max_num_seqs=4, temperature=0.0),
         timeout_s=60,
@@ -145,7 +151,7 @@ def settings(folder, lora: LoRAConfig | None) -> EngineSettings:
         tokenizer_path=str(folder),
         max_len=32,
         stop_token_ids=[],
-        dtype=torch.float32,
+        dtype=dtype,
         device=torch.device("cpu"),
         seed=0,
         bucket_bytes=8 * 1024,  # several buckets of whole layers
@@ -240,3 +246,117 @@ def test_pinned_w0_is_packed_into_power_of_two_slabs_that_the_allocator_does_not
     got = dict(AdapterMerge(packed, 2.0, names, VLLM_PACKED)(iter(pairs)))
     want = dict(AdapterMerge(base, 2.0, names, VLLM_PACKED)(iter(pairs)))
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def gpu_lora_layout(cfg: LoRAConfig) -> WeightSyncLayout:
+    """The weight sync an NCCL job decides for engines on its GPUs (reference engine in the rank's process, or
+    vLLM in its own), `inference.dtype = "auto"`: bf16 engines."""
+    world = types.SimpleNamespace(backend="nccl", inference_ranks=[1])
+    return weight_sync_layout(JobConfig(), InferenceConfig(engine="reference"), world, cfg)  # type: ignore[arg-type]
+
+
+def bucket_bytes(dtype: torch.dtype, sizes: list[int]) -> list[int]:
+    return [n * torch.tensor([], dtype=dtype).element_size() for n in sizes]
+
+
+def test_a_lora_push_to_a_bf16_engine_of_a_gpu_job_lands_bit_exactly(tmp_path, monkeypatch):
+    """Under `[lora]` on a GPU job the engines serve bf16 while the adapters travel in fp32 (`push_dtype`): the
+    trainer's buckets and the engine's receive buffers must agree on the dtype and the bytes of every bucket, or the
+    first update hangs or garbles on the GPU (fp32 engines, as the other LoRA tests run, cannot tell them apart).
+    The layout is the one such a job decides; the engine is built from it as `factory.build_engine` builds it (on
+    CPU here, in bf16). After each push every adapted weight is, bit for bit, W0 (the folder's weight in bf16)
+    merged with the trainer's exact fp32 factors, within bf16 rounding of the fp64 sum; factors rounded to bf16 on
+    the way would change some of every weight; every other weight is untouched."""
+    targets = ["q_proj", "v_proj", "up_proj", "down_proj"]
+    cfg = LoRAConfig(enabled=True, rank=4, alpha=16.0, target_modules=targets, engine_base="device")
+    layout = gpu_lora_layout(cfg)
+    assert layout.engines_on_gpu and layout.dtype == torch.bfloat16 and layout.lora is cfg
+    base = build_model(ARGS, seed=1)
+    save_hf_folder(tmp_path, ARGS, base.state_dict())
+    trained = copy.deepcopy(base)
+    apply_lora(trained, cfg)
+    wire = Wire()
+    monkeypatch.setattr(weights.dist, "broadcast", wire.receive)
+    monkeypatch.setattr(WeightSender, "_header", lambda self, kind, version: None)
+    factors = adapter_parameters(trained)
+    cpu = torch.device("cpu")
+    sender = WeightSender(trained, None, 0, True, layout.push_dtype, cpu, 8 * 1024, wire, params=factors)
+    engine, receiver = ReferenceEngine.create(settings(tmp_path, layout.lora, layout.dtype))
+    assert {p.dtype for p in engine.params.values()} == {torch.bfloat16}
+    sent = bucket_bytes(sender.dtype, sender.sizes)
+    assert receiver.dtype == sender.dtype and bucket_bytes(receiver.dtype, receiver.layout.sizes) == sent
+    assert len(sent) > 1
+    w0 = {n: p.detach().clone() for n, p in engine.params.items()}
+    for version in (1, 2):
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(version)
+            for _, p in factors:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+        sender.push(version)
+        engine.load_update(receiver, version, kv_max_age=-1)
+        assert not wire.buckets and engine.version == version
+        pushed = {n: p.detach() for n, p in factors}
+        merged = 0
+        for name, got in engine.params.items():
+            a_name = name.replace(".weight", ".lora_A.weight")
+            if a_name not in pushed:
+                assert torch.equal(got, w0[name]), name
+                continue
+            a, b = pushed[a_name], pushed[name.replace(".weight", ".lora_B.weight")]
+            assert torch.equal(got, merged_weight(w0[name], a, b, cfg.scaling)), name
+            exact = w0[name].double() + cfg.scaling * (b.double() @ a.double())
+            # round to nearest bf16: within half an ulp (2^-8 relative) of the fp64 sum, plus the fp32 sum's error
+            assert ((got.double() - exact).abs() <= 2**-8 * exact.abs() + 1e-6).all(), name
+            rounded = merged_weight(w0[name], a.bfloat16(), b.bfloat16(), cfg.scaling)
+            assert (rounded != got).float().mean() > 0.01, name  # what a bf16 stream would have loaded
+            merged += 1
+        assert merged == len(factors) // 2
+
+
+def test_a_vllm_engine_under_lora_receives_the_pushes_in_the_trainers_dtype_and_merges_in_its_own(monkeypatch):
+    """`VLLMEngine.create` of a bf16 GPU engine under `[lora]` (vLLM itself stubbed): the headers' receiver and the
+    workers' receive buffers (built from the arguments the workers get, as `WeightUpdateExtension.join_weight_group`
+    builds them) carry the trainer's `push_dtype` in buckets of the sender's bytes, and the workers read W0 in the
+    engine's bf16."""
+    from pipelinerl_fsdp.inference.vllm_config import VLLMInferenceConfig
+    from pipelinerl_fsdp.inference.vllm_engine import VLLMEngine
+    from pipelinerl_fsdp.transport.weights import BucketLayout
+
+    cfg = LoRAConfig(enabled=True, rank=8, alpha=16.0, engine_base="host")
+    layout = gpu_lora_layout(cfg)
+    calls = []
+    stub = types.SimpleNamespace(join_weight_group=lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(VLLMEngine, "open", classmethod(lambda cls, s: stub))
+    monkeypatch.setattr(weights.dist, "broadcast", Wire().receive)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setattr("pipelinerl_fsdp.inference.vllm_engine.read_model_args", lambda path: ARGS)
+    world = types.SimpleNamespace(weight_group=None, trainer_ranks=[0], inference_index=0, backend="nccl")
+    s = dataclasses.replace(settings("unused", layout.lora, layout.dtype), world=world)
+    s = dataclasses.replace(s, inference=VLLMInferenceConfig(max_num_seqs=4), device=torch.device("cuda"))
+    engine, receiver = VLLMEngine.create(s)
+    assert engine is stub and len(calls) == 1
+    (_, _, _, _, _, _, names_and_shapes, dtype, bucket_size), kw = calls[0]
+    workers = BucketLayout([(n, torch.Size(sh)) for n, sh in names_and_shapes], getattr(torch, dtype), bucket_size)
+    trained = build_model(ARGS, seed=0)
+    apply_lora(trained, cfg)
+    factors = adapter_parameters(trained)
+    cpu = torch.device("cpu")  # the trainer's bucket device does not change their sizes
+    sender = WeightSender(trained, None, 0, True, layout.push_dtype, cpu, s.bucket_bytes, params=factors)
+    sent = bucket_bytes(sender.dtype, sender.sizes)
+    assert workers.dtype == receiver.dtype == sender.dtype and len(sent) > 1
+    assert bucket_bytes(workers.dtype, workers.sizes) == bucket_bytes(receiver.dtype, receiver.layout.sizes) == sent
+    assert kw["lora"]["dtype"] == "bfloat16" and kw["lora"]["scaling"] == cfg.scaling
+
+
+def test_pinned_slabs_are_pinned_where_pinning_is_possible_and_refused_by_the_allocator_elsewhere():
+    """`pack_into_slabs(pin=True)` (W0 in host memory of a GPU engine) on a machine that can pin: every copy is
+    pinned and holds W0; where no pinned allocator exists (a CPU-only torch) the request reaches torch's allocator,
+    which refuses it (pinning is never dropped silently)."""
+    base = {"a.weight": torch.randn(5, 3).bfloat16(), "b.weight": torch.randn(7)}
+    if torch.cuda.is_available():
+        packed = pack_into_slabs(base, pin=True, slab_bytes=4096)
+        assert all(packed[n].is_pinned() and torch.equal(packed[n], base[n]) for n in base)
+    else:
+        with pytest.raises(RuntimeError, match="pin"):
+            pack_into_slabs(base, pin=True, slab_bytes=4096)

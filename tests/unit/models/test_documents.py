@@ -8,6 +8,8 @@ torch release's signature. Tolerances: fp32, 1e-5 (the loop and the stand-in sum
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import math
 
@@ -182,3 +184,31 @@ def test_cpu_attention_is_the_loop(monkeypatch):
     model = build_model(flavour_args("debug", vocab_size=64), seed=1)
     row = packed_batch(1)
     model(row.input_ids, row.position_ids, targets=row.targets, documents=row.documents)
+
+
+def test_the_installed_varlen_attn_has_a_signature_call_varlen_adapts_to():
+    """The stand-ins above carry the keywords of torch releases; the kernel this torch installs must be one of
+    them as far as `call_varlen` reads it (causality, grouped kv heads), and what `call_varlen` passes it must
+    bind to its real signature (7 positional arguments, then keywords it knows)."""
+    installed = documents.varlen_attn
+    assert installed is not None, f"torch {torch.__version__} has no torch.nn.attention.varlen"
+    adapted = {"window_size", "is_causal", "enable_gqa"}
+
+    def keys(kernel) -> set[str]:
+        return set(inspect.signature(kernel).parameters) & adapted
+
+    assert keys(installed) in [keys(k) for k in (kernel_2_13, kernel_2_11, kernel_2_9)], keys(installed)
+    passed: list[dict[str, object]] = []
+
+    @functools.wraps(installed)  # the installed kernel's signature, as `inspect.signature` reads it
+    def spy(*args, **kw):
+        passed.append(kw)
+        return args[0]
+
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    for gqa in (True, False):
+        q, k, v = (torch.zeros(6, h, 8) for h in (4, 2 if gqa else 4, 2 if gqa else 4))
+        documents.call_varlen(spy, q, k, v, cu, 4, gqa)
+        inspect.signature(installed).bind(q, k, v, cu, cu, 4, 4, **passed[-1])  # a keyword it lacks: TypeError
+        causal = {"window_size": (-1, 0)} if "window_size" in keys(installed) else {"is_causal": True}
+        assert passed[-1] == {**causal, **({"enable_gqa": True} if gqa and "enable_gqa" in keys(installed) else {})}

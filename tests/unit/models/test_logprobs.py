@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+from pipelinerl_fsdp.config import TrainerConfig
+from pipelinerl_fsdp.models import logprobs
+from pipelinerl_fsdp.models.args import FLAVOURS, flavour_args
 from pipelinerl_fsdp.models.logprobs import fp32_product, product_route, token_logprobs
 
 
@@ -185,3 +188,42 @@ def test_bf16_head_logprobs_keep_fp32_precision_unless_the_logits_are_rounded():
 
     lp_rounded, _ = token_logprobs(h, w, tgt, t, chunk_size=16, round_logits=True)
     assert (lp_rounded.double() - exact.detach()).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("flavour", sorted(FLAVOURS))
+def test_the_cuda_branch_runs_on_meta_tensors_for_every_flavours_head(flavour, monkeypatch):
+    """The route a GPU takes ("mm_out_dtype": `torch.mm(a, b, out_dtype=torch.float32)`, the weight gradient summed
+    into an fp32 accumulator) run for real, on meta tensors (shapes and dtypes only), forward and backward through
+    `token_logprobs`: bf16 hidden states and head of each flavour, chunks of `trainer.logprob_chunk_size` (two
+    whole, one partial). Every product takes bf16 operands (the tensor-core GEMM) and returns fp32; log-probs are
+    fp32, the gradients bf16 in the parameters' shapes."""
+    args = flavour_args(flavour)
+    chunk = TrainerConfig().logprob_chunk_size
+    n, d, v = 2 * chunk + 7, args.hidden_size, args.vocab_size
+    real_route = logprobs.product_route
+
+    def as_on_cuda(dtype: torch.dtype, dev: torch.device) -> logprobs.ProductRoute:
+        return real_route(dtype, torch.device("cuda") if dev.type == "meta" else dev)
+
+    monkeypatch.setattr(logprobs, "product_route", as_on_cuda)
+    calls = []
+    real_mm = torch.mm
+
+    def mm(a, b, **kw):
+        out = real_mm(a, b, **kw)
+        calls.append((a.dtype, b.dtype, kw.get("out_dtype"), out.dtype, tuple(out.shape)))
+        return out
+
+    monkeypatch.setattr(torch, "mm", mm)
+    h = torch.empty(n, d, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    w = torch.empty(v, d, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    tgt = torch.empty(n, dtype=torch.long, device="meta")
+    lp, ent = token_logprobs(h, w, tgt, 0.7, chunk)
+    assert (lp.dtype, ent.dtype, lp.shape) == (torch.float32, torch.float32, (n,))
+    lp.sum().backward()
+    assert (h.grad.dtype, h.grad.shape, w.grad.dtype, w.grad.shape) == (torch.bfloat16, (n, d), torch.bfloat16, (v, d))
+    rows = [chunk, chunk, 7]
+    want = [(r, v) for r in rows]  # forward: the logits of each chunk
+    want += [shape for r in rows for shape in ((r, v), (r, d), (v, d))]  # backward: logits, dh, dW per chunk
+    assert [c[4] for c in calls] == want
+    assert all(c[:4] == (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32) for c in calls), calls

@@ -39,17 +39,21 @@ class FakeWork:
 
     def __init__(self, group: FakeGroup, flat: torch.Tensor, bucket: int, completes: bool) -> None:
         self.group, self.flat, self.bucket, self.completes = group, flat, bucket, completes
+        self.polls = 0  # `is_completed` calls so far: the transfer completes at the group's `completes_after`-th
 
     def _release(self, how: str) -> None:
         self.group.log.append((how, self.bucket))
         self.group.sent.setdefault(self.bucket, self.flat.clone())
 
     def wait(self) -> bool:
+        while self.completes and not self.is_completed():  # gloo's wait blocks until the data has arrived
+            pass
         self._release("wait")
         return True
 
     def is_completed(self) -> bool:
-        return self.completes
+        self.polls += 1
+        return self.completes and self.polls >= self.group.completes_after
 
     def get_future(self) -> types.SimpleNamespace:
         return types.SimpleNamespace(add_done_callback=lambda fn: fn(None))
@@ -65,7 +69,7 @@ class OrderedWork(FakeWork):
 class FakeGroup(StoreGroup):
     """The bucket group's source end, its members' marks in a dict store."""
 
-    def __init__(self, size: int = 3, ordered: bool = True, completes: bool = True) -> None:
+    def __init__(self, size: int = 3, ordered: bool = True, completes: bool = True, completes_after: int = 1) -> None:
         self.marks: dict[str, bytes] = {}
         store = types.SimpleNamespace(
             set=lambda k, v: self.marks.__setitem__(k, v.encode()),
@@ -73,7 +77,8 @@ class FakeGroup(StoreGroup):
             check=lambda keys: all(k in self.marks for k in keys),
         )
         super().__init__("vllm_weights", 0, size, torch.device("cpu"), 5.0, store)
-        self.ordered, self.completes = ordered, completes
+        self.ordered, self.completes, self.completes_after = ordered, completes, completes_after
+        self.works: list[FakeWork] = []
         self.log: list[tuple[str, int]] = []
         self.sent: dict[int, torch.Tensor] = {}
         self.ptrs: list[int] = []
@@ -82,7 +87,8 @@ class FakeGroup(StoreGroup):
         b = sum(1 for how, _ in self.log if how == "send")
         self.log.append(("send", b))
         self.ptrs.append(flat.data_ptr())
-        return (OrderedWork if self.ordered else FakeWork)(self, flat, b, self.completes)
+        self.works.append((OrderedWork if self.ordered else FakeWork)(self, flat, b, self.completes))
+        return self.works[-1]
 
     def mark(self, member: int, version: int, bucket: int, who: str) -> None:
         self.marks[f"{store_group.POSTED_KEY}{member}"] = f"{version} {bucket} {who}".encode()
@@ -192,14 +198,63 @@ def test_with_no_engine_ahead_the_push_waits_for_the_timeout(monkeypatch):
         s.push(7)
 
 
-def test_without_a_stall_limit_an_engine_behind_is_waited_for(monkeypatch):
-    monkeypatch.setattr(device_waits, "CHECK_EVERY_S", 0.01)
-    group = FakeGroup(completes=False)
+@pytest.mark.parametrize("stall_s", [None, 30.0])
+def test_without_a_stall_limit_or_within_it_an_engine_behind_is_waited_for(monkeypatch, stall_s):
+    """Engine 2 has not asked for version 7 yet and its buckets complete only after 20 polls: without a stall limit
+    (async mode: gloo's blocking wait) or before the limit (the wait polls, asking the stall check every time) the
+    push waits for every bucket to complete, and returns what each transfer read."""
+    monkeypatch.setattr(device_waits, "CHECK_EVERY_S", 0.0)
+    group = FakeGroup(ordered=False, completes_after=20)
     group.mark(1, 7, 0, "inference rank 2, vLLM worker 0")
     group.mark(2, 6, 4, "inference rank 3, vLLM worker 0")
-    s, _ = sender(group, monkeypatch, timeout_s=0.2, stall_s=None)
-    # on CPU the host wait is gloo's own (it has the group's time-out); these fake works return from it at once
-    assert s.push(7) is not None  # async mode: a held update is waited for, as long as world.timeout_s allows
+    s, model = sender(group, monkeypatch, timeout_s=30, stall_s=stall_s)
+    assert s.push(7) is not None
+    assert len(group.works) == len(s.buckets) and all(w.polls >= 20 for w in group.works), [
+        w.polls for w in group.works
+    ]
+    torch.testing.assert_close(
+        torch.cat([group.sent[b] for b in range(5)]), torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    )
+
+
+class NcclWork:
+    """A torch NCCL work: `wait()` only orders the caller's CUDA stream after the transfer and returns at once; the
+    transfer completes at the `completes_after`-th `is_completed()`. No `order_after`: not a store group's work."""
+
+    def __init__(self, completes_after: int) -> None:
+        self.completes_after, self.log = completes_after, []
+
+    def wait(self) -> bool:
+        self.log.append("wait")
+        return True
+
+    def is_completed(self) -> bool:
+        self.log.append("poll")
+        return self.log.count("poll") >= self.completes_after
+
+
+def test_a_gpu_wait_on_an_nccl_work_orders_the_stream_then_polls_it_to_completion(monkeypatch):
+    """The NCCL branch of the device waits: `wait_on_host` orders the stream first (an error NCCL already knows of
+    raises there), then blocks the host until the transfer has completed, against the time-out and the stall check;
+    `free_for_reuse` orders the stream and never blocks the host."""
+    cuda = torch.device("cuda", 0)
+    work = NcclWork(completes_after=5)
+    device_waits.wait_on_host(work, cuda, "bucket 3", 5, poll_s=0)
+    assert work.log == ["wait"] + ["poll"] * 5
+    with pytest.raises(TimeoutError, match=r"^bucket 3: not complete after 0 s"):
+        device_waits.wait_on_host(NcclWork(10**9), cuda, "bucket 3", 0.05, poll_s=1e-3)
+    monkeypatch.setattr(device_waits, "CHECK_EVERY_S", 0.0)
+
+    def check(waited_s: float) -> None:
+        raise TimeoutError("engine X is behind")
+
+    behind = NcclWork(10**9)
+    with pytest.raises(TimeoutError, match="engine X is behind"):
+        device_waits.wait_on_host(behind, cuda, "bucket 3", 5, poll_s=0, check=check)
+    assert behind.log[0] == "wait"
+    freed = NcclWork(completes_after=5)
+    device_waits.free_for_reuse(freed, cuda, "bucket 3", 5, check=check)
+    assert freed.log == ["wait"]
 
 
 def test_the_stall_limit_is_off_in_async_mode_and_never_above_the_timeout():
