@@ -12,25 +12,43 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "pipelinerl_fsdp"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PKG.parent).with_suffix("").parts
+def module_name(path: Path, pkg: Path = PKG) -> str:
+    parts = path.relative_to(pkg.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the package's modules it imports (at the top, inside functions, or for type checking)."""
-    mods = {module_name(p): p for p in PKG.rglob("*.py")}
-    graph: dict[str, set[str]] = {m: set() for m in mods}
-    for m, path in mods.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-            elif isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            else:
-                continue
-            graph[m].update(t for t in targets if t in mods and t != m)
-    return graph
+def imported_names(module: str, is_package: bool, tree: ast.AST, mods: set[str]) -> set[str]:
+    """The package's modules that `module` (its syntax tree) imports, at the top, inside functions or for type
+    checking: absolute imports; relative ones, resolved against the module's package (`from ..x import y` in
+    `p.a.b` -> `p.x` and `p.x.y`); `importlib.import_module` of a literal name. Not the registries' loops
+    (`import_module(f"{__name__}.{name}")` at the end of `tasks/` and `rl/objectives/`): a package loading its own
+    plugins once all they import from it is defined, a cycle by design within one unit."""
+    package = module if is_package else module.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                head = ".".join(parts[: len(parts) - (node.level - 1)])
+                base = f"{head}.{base}" if base else head
+            targets.update([base, *(f"{base}.{a.name}" for a in node.names)])
+        elif isinstance(node, ast.Import):
+            targets.update(a.name for a in node.names)
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("importlib.import_module", "import_module"):
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                targets.add(arg.value)
+    return {t for t in targets if t in mods and t != module}
+
+
+def import_graph(pkg: Path = PKG) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (`imported_names`)."""
+    paths = {module_name(p, pkg): p for p in pkg.rglob("*.py")}
+    mods = set(paths)
+    return {
+        m: imported_names(m, path.name == "__init__.py", ast.parse(path.read_text()), mods) for m, path in paths.items()
+    }
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -68,6 +86,26 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_import_graph_resolves_relative_and_importlib_imports(tmp_path):
+    """An upward or cyclic import written relatively, or through importlib, is an edge like any other."""
+    files = {
+        "p/__init__.py": "",
+        "p/low/__init__.py": "",
+        "p/low/a.py": "def f():\n    from ..high import b\n",
+        "p/low/c.py": "from . import a\n",
+        "p/high/__init__.py": "",
+        "p/high/b.py": "import importlib\nimportlib.import_module('p.low.c')\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path / "p")
+    assert graph["p.low.a"] == {"p.high", "p.high.b"} and graph["p.low.c"] == {"p.low", "p.low.a"}
+    assert graph["p.high.b"] == {"p.low.c"}
+    assert cycles(graph) == [["p.high.b", "p.low.a", "p.low.c"]]
+    assert "p.low.a -> p.high.b (floor 0 -> 1)" in upward_imports(graph, {"low": 0, "high": 1})
 
 
 def test_the_package_has_no_import_cycle():

@@ -111,12 +111,20 @@ def test_base_names_are_unchanged_and_merging_restores_the_plain_state_dict():
 
 
 def test_merged_weight_is_w0_plus_scaled_ba_in_w0s_dtype():
-    w0 = torch.randn(6, 5).to(torch.bfloat16)
-    a, b = torch.randn(2, 5), torch.randn(6, 2)
+    """W0 + s B A summed in fp32 and rounded once to bf16: each element within half a bf16 ulp of the fp64 sum
+    (plus the fp32 sum's own error, 2^-20 of the terms' size); the same merge computed in bf16 (B A rounded, then
+    the sum rounded) is not."""
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(64, 48, generator=g).to(torch.bfloat16)
+    a, b = torch.randn(4, 48, generator=g), torch.randn(64, 4, generator=g)
     out = merged_weight(w0, a, b, 4.0)
     assert out.dtype == torch.bfloat16
-    expect = w0.double() + 4.0 * (b.double() @ a.double())
-    torch.testing.assert_close(out.double(), expect.to(torch.bfloat16).double(), atol=0.05, rtol=0.01)
+    exact = w0.double() + 4.0 * (b.double() @ a.double())
+    _, exponent = torch.frexp(exact)  # |exact| in [2^(e-1), 2^e): a bf16 ulp there is 2^(e-8)
+    bound = torch.ldexp(torch.ones_like(exact), exponent - 9) + 2**-20 * (w0.double().abs() + 4.0 * (b.abs() @ a.abs()))
+    assert ((out.double() - exact).abs() <= bound).all()
+    in_bf16 = torch.addmm(w0, b.bfloat16(), a.bfloat16(), alpha=4.0)
+    assert ((in_bf16.double() - exact).abs() > bound).any()
 
 
 def test_scaling_is_alpha_over_rank_or_over_its_root():
