@@ -140,8 +140,8 @@ def parse_args() -> argparse.Namespace:
         "--lock",
         type=Path,
         default=None,
-        help="hold an exclusive flock on this file through each run and its evaluation (a machine shared with other "
-        "jobs: they go between two runs, never during a timed one)",
+        help="hold an exclusive flock on this file through each seed's runs and their evaluations (a machine shared "
+        "with other jobs: they go between two seeds, never during a timed run)",
     )
     p.add_argument(
         "--summary",
@@ -390,8 +390,8 @@ def main() -> None:
     for seed in range(a.first_seed, a.first_seed + a.seeds):
         order = mode_order(specs, seed, a.order)
         orders[str(seed)] = [spec.name for spec in order]
-        for spec in order:
-            with cpu_lock(a.lock):  # each run and its evaluation on a quiet machine
+        with cpu_lock(a.lock):  # a seed's runs side by side on a quiet machine
+            for spec in order:
                 name = spec.name
                 out = a.out / "runs" / f"{name}_seed{seed}"
                 t0 = time.time()
