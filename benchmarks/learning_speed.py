@@ -144,6 +144,11 @@ def parse_args() -> argparse.Namespace:
         "with other jobs: they go between two seeds, never during a timed run)",
     )
     p.add_argument(
+        "--lock-first",
+        action="store_true",
+        help="take --lock before the other jobs waiting for it (a real-time wait; needs CAP_SYS_NICE, root here)",
+    )
+    p.add_argument(
         "--summary",
         type=Path,
         default=None,
@@ -268,17 +273,29 @@ def lag_table(results: dict[str, dict]) -> str:
 
 
 @contextlib.contextmanager
-def cpu_lock(path: Path | None) -> Iterator[None]:
-    """An exclusive flock on `path` for the block (nothing without a path)."""
+def cpu_lock(path: Path | None, first: bool = False) -> Iterator[None]:
+    """An exclusive flock on `path` for the block (nothing without a path). `first`: wait for it as a real-time
+    thread (SCHED_FIFO, back to the normal policy once held, before anything runs), so that at each release this
+    process takes the lock before the other waiters (flock wakes them all and the first to run wins); after the
+    block it waits a few seconds, so one other waiter gets in between two of its blocks."""
     if path is None:
         yield
         return
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        policy = os.sched_getscheduler(0), os.sched_getparam(0)
+        if first:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        finally:
+            if first:
+                os.sched_setscheduler(0, policy[0], policy[1])
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+            if first:
+                time.sleep(5)
 
 
 def mode_order(specs: list[RunSpec], seed: int, order: str) -> list[RunSpec]:
@@ -344,7 +361,7 @@ def main() -> None:
     ]
     # The warm start once, shared by every mode and seed (its folder is reused when it exists).
     t0 = time.time()
-    with cpu_lock(a.lock):
+    with cpu_lock(a.lock, a.lock_first):
         run_job(
             [
                 *common,
@@ -364,7 +381,7 @@ def main() -> None:
         job_cfg = load_config(common)
         # exports are evaluated one per core at a time; the warm start here, on every core
         evaluator = Evaluator(job_cfg, eval_size, workers=len(os.sched_getaffinity(0)))
-        with cpu_lock(a.lock):
+        with cpu_lock(a.lock, a.lock_first):
             start_accuracy = evaluator.accuracy(Path(job_cfg.warmstart.path))
         if relative:  # the share of the warm start's remaining error closed
             target = round(start_accuracy + target * (1 - start_accuracy), 3)
@@ -390,7 +407,7 @@ def main() -> None:
     for seed in range(a.first_seed, a.first_seed + a.seeds):
         order = mode_order(specs, seed, a.order)
         orders[str(seed)] = [spec.name for spec in order]
-        with cpu_lock(a.lock):  # a seed's runs side by side on a quiet machine
+        with cpu_lock(a.lock, a.lock_first):  # a seed's runs side by side on a quiet machine
             for spec in order:
                 name = spec.name
                 out = a.out / "runs" / f"{name}_seed{seed}"
