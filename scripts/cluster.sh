@@ -7,6 +7,7 @@
 #   bash scripts/cluster.sh up                  # namespaces, link, munge, slurmctld, 2 slurmd; prints the nodes
 #   bash scripts/cluster.sh exec NODE CMD...    # run CMD on NODE (its hostname, address, SLURM_CONF set)
 #   bash scripts/cluster.sh kill NODE           # kill -9 every process of NODE (its slurmd too): the node crashed
+#   bash scripts/cluster.sh revive NODE         # start NODE's slurmd again (after kill) and wait until it is idle
 #   bash scripts/cluster.sh link NODE down|up   # take NODE's link down or up (TCP connections stay open)
 #   bash scripts/cluster.sh status              # namespaces, daemons, sinfo
 #   bash scripts/cluster.sh down                # everything gone: no namespace, link, daemon, mount left
@@ -27,13 +28,17 @@ addr() { case "$1" in node0) echo "$NET.1" ;; node1) echo "$NET.2" ;; *) die "un
 # Run a command on a node: its network namespace, a UTS namespace with its hostname, and a private mount namespace in
 # which the cluster's hosts file covers /etc/hosts (every node resolves every hostname to its link address; the
 # mount ends with the node's last process, so nothing is left behind).
-in_node() {
+node_argv() {
   local node=$1
   shift
   addr "$node" >/dev/null
-  ip netns exec "$(ns "$node")" unshare --uts --mount --propagation private \
-    env SLURM_CONF="$DIR/slurm.conf" sh -c 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"' \
-    sh "$node" "$DIR/hosts" "$@"
+  ARGV=(ip netns exec "$(ns "$node")" unshare --uts --mount --propagation private
+    env SLURM_CONF="$DIR/slurm.conf" sh -c 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec "$@"'
+    sh "$node" "$DIR/hosts" "$@")
+}
+in_node() {
+  node_argv "$@"
+  "${ARGV[@]}"
 }
 
 install_packages() {
@@ -115,16 +120,32 @@ up() {
       --pid-file="$DIR/munge/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed"
     in_node node0 slurmctld -f "$DIR/slurm.conf"
     for n in "${NODES[@]}"; do in_node "$n" slurmd -f "$DIR/slurm.conf" -N "$n"; done
-    local t
-    for t in $(seq 1 30); do
-      if in_node node0 sinfo -h -o '%T' 2>/dev/null | grep -qx idle &&
-        [ "$(in_node node0 sinfo -h -N -o '%T' | grep -cx idle)" = 2 ]; then break; fi
-      sleep 1
-    done
     # both slurmd registered with slurmctld over the link: the nodes reach each other
-    [ "$t" -lt 30 ] || die "the nodes did not become idle in 30 s: $DIR/log/"
+    wait_idle node0 node1
   fi
   status
+}
+
+# wait (30 s at most) until slurmctld reports every named node idle
+wait_idle() {
+  local t n ok
+  for t in $(seq 1 30); do
+    ok=1
+    for n in "$@"; do
+      [ "$(in_node node0 sinfo -h -n "$n" -o '%T' 2>/dev/null)" = idle ] || ok=
+    done
+    [ -n "$ok" ] && return 0
+    sleep 1
+  done
+  die "nodes $* not idle after 30 s: $DIR/log/"
+}
+
+revive() {
+  # shellcheck disable=SC2046
+  all_gone $(pid_of "$DIR/slurm/slurmd-$1.pid") || die "slurmd of $1 is running"
+  in_node "$1" slurmd -f "$DIR/slurm.conf" -N "$1"
+  wait_idle "$1"
+  echo "$1: slurmd up, idle"
 }
 
 pid_of() { [ -f "$1" ] && cat "$1" || true; }
@@ -192,12 +213,17 @@ case "$cmd" in
   up) up ;;
   down) down ;;
   status) status ;;
-  exec) [ $# -ge 2 ] || die "usage: exec NODE CMD..."; in_node "$@" ;;
+  exec)
+    [ $# -ge 2 ] || die "usage: exec NODE CMD..."
+    node_argv "$@"
+    exec "${ARGV[@]}" # the command replaces this shell: its pid is the caller's child, on the node
+    ;;
   kill) [ $# = 1 ] || die "usage: kill NODE"; addr "$1" >/dev/null; kill_node "$1" ;;
+  revive) [ $# = 1 ] || die "usage: revive NODE"; addr "$1" >/dev/null; revive "$1" ;;
   link)
     [ $# = 2 ] && [[ $2 =~ ^(up|down)$ ]] || die "usage: link NODE up|down"
     addr "$1" >/dev/null
     ip -n "$(ns "$1")" link set "$IFACE" "$2"
     ;;
-  *) die "usage: cluster.sh up|down|status|exec NODE CMD...|kill NODE|link NODE up|down" ;;
+  *) die "usage: cluster.sh up|down|status|exec NODE CMD...|kill NODE|revive NODE|link NODE up|down" ;;
 esac
