@@ -298,6 +298,13 @@ def cpu_lock(path: Path | None, first: bool = False) -> Iterator[None]:
                 time.sleep(5)
 
 
+def relative_targets(start: float, fractions: list[float]) -> list[float]:
+    """Targets that close the share f of the warm start's remaining error: start + f (1 - start), to 3 decimals."""
+    if not all(0 < f < 1 for f in fractions):
+        raise SystemExit(f"relative targets must be fractions in (0, 1) of the remaining error, got {fractions}")
+    return [round(start + f * (1 - start), 3) for f in fractions]
+
+
 def mode_order(specs: list[RunSpec], seed: int, order: str) -> list[RunSpec]:
     """The modes of one seed in the order they run: drawn from the seed (`random`), or as given."""
     out = list(specs)
@@ -383,9 +390,8 @@ def main() -> None:
         evaluator = Evaluator(job_cfg, eval_size, workers=len(os.sched_getaffinity(0)))
         with cpu_lock(a.lock, a.lock_first):
             start_accuracy = evaluator.accuracy(Path(job_cfg.warmstart.path))
-        if relative:  # the share of the warm start's remaining error closed
-            target = round(start_accuracy + target * (1 - start_accuracy), 3)
-            more_targets = [round(start_accuracy + x * (1 - start_accuracy), 3) for x in more_targets]
+        if relative:
+            target, *more_targets = relative_targets(start_accuracy, [target, *more_targets])
         metric = (
             f"held-out greedy accuracy ({len(evaluator.problems)} problems) of the policy exported every "
             f"{eval_every} steps, linear between exports"

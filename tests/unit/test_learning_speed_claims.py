@@ -43,6 +43,14 @@ def test_the_modes_of_a_seed_run_in_an_order_drawn_from_the_seed():
     assert ls.mode_order(specs, 2, "fixed") == specs
 
 
+def test_relative_targets_close_a_share_of_the_warm_start_s_remaining_error():
+    # from 0.734 (one machine's old warm start) and 0.832 (another's): the same fractions, targets that differ
+    assert ls.relative_targets(0.734, [0.35, 0.2, 0.5]) == [0.827, 0.787, 0.867]
+    assert ls.relative_targets(0.832, [0.35]) == [0.891]
+    with pytest.raises(SystemExit, match="fractions in"):
+        ls.relative_targets(0.8, [0.85])  # an absolute target given where a fraction is expected
+
+
 def timed(t: float | None, wall: float = 100.0, sps: float = 1.0) -> dict:
     return {"time_to_target_s": t, "wall_s": wall, "steps_per_s": sps, "time_to_targets_s": {"0.8": t}}
 
