@@ -164,7 +164,7 @@ LAYERS: list[list[str]] = [
     ["config"],  # the schema: depends on nothing of ours
     ["runtime", "records"],  # stopping, faults, processes, host memory, GPU counts, CPU binding; records' reductions
     ["tokenizer", "samples", "models", "tools", "rewards", "engine_kinds", "checkpoint_layout"],
-    ["data", "episodes"],
+    ["data", "episodes", "perf"],  # perf: the performance model, needs only the models' shapes
     ["rl", "tasks"],  # pure math of training; tasks and environments
     ["transport", "preflight"],
     ["job"],  # the world, its process groups, the weight sync's layout
