@@ -12,21 +12,29 @@ calls it between two engine steps, as it does the reward pool, so a tool that ha
 - `tool_error`: exited non-zero or died on a signal (an exception, `MemoryError` at the memory limit, a crash,
   `ENOSPC` in a full scratch folder, a refused fork); `output` ends with the error.
 
+Each `tool_error` says how the call ended: an exit status, a signal by name (real-time ones included, with why for
+SIGKILL, SIGSYS, SIGXCPU, ...), the sandbox's init dying first, or a setup step that failed. Nothing a call does
+raises in `poll`: a fault in the runner's own result path ends that call as `tool_error` and keeps the others.
+
 The boundary is the kernel's, not the interpreter's (tools/jail.py builds it; docs/extending.md says what a tool
-may and may not do): mount, PID, network, IPC and UTS namespaces; a read-only root holding only the system's
-programs and libraries and this Python's install prefix, a fresh /proc and a size- and inode-capped tmpfs as the
-writable scratch folder; a uid of its own per call with no groups and no capabilities; `PR_SET_NO_NEW_PRIVS`; a
-seccomp filter; limits on memory, CPU time, file size, open files and processes. The whole process tree dies with
-the rank (parent-death signals down to the namespace's init, whose end kills the namespace), and the scratch
-folder is freed by the kernel with it: nothing is deleted on the caller's loop. Where the boundary cannot be built,
+may and may not do, docs/sandbox.md what it promises): mount, PID, network, IPC (with its own SysV limits) and UTS
+namespaces; a read-only root holding only the system's programs and libraries and this Python's standard library,
+a /proc of the call's own processes and a size- and inode-capped tmpfs as the writable scratch folder; a random
+uid per call with no groups and no capabilities; `PR_SET_NO_NEW_PRIVS`; a seccomp allowlist
+(tools/seccomp_policy.py); every resource limit. The deadline is kept by the call's keeper (its own timer, even if
+nobody polls), which kills and reaps the namespace's init, so nothing of a call outlives it, not even a zombie;
+the whole tree also dies with the rank (parent-death signals), and the scratch folder is freed by the kernel with
+it: nothing is deleted on the caller's loop. Where the boundary cannot be built,
 `boundary_missing` names what is missing and a tool task refuses to start (`Task.check_environment`); a call
 started anyway fails as `tool_error` with the failed step: never a weaker sandbox.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -36,17 +44,56 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipelinerl_fsdp.tools.jail import SETUP_FAILED, UID_BASE
+from pipelinerl_fsdp.tools import jail
+from pipelinerl_fsdp.tools.jail import SETUP_FAILED, UID_BASE, UID_SPAN
+from pipelinerl_fsdp.tools.seccomp_policy import SeccompUnavailable
 
 TOOL_OUTCOMES = ("ok", "tool_timeout", "tool_error", "tool_output_truncated")
-_JAIL = str(Path(__file__).with_name("jail.py"))
+_JAIL_SOURCE = Path(jail.__file__).read_bytes()
+_END_GRACE_S = 2.0  # a keeper asked to end that still runs after this is killed with its process group
 
 
 def default_binds() -> tuple[str, ...]:
     """The folders a tool's interpreter needs, read-only in its root: the system's programs and libraries and
-    this Python's install prefix (never the project, /root, /home, /work or /etc)."""
+    this Python's standard library (never the project, site-packages, /root, /home, /work or /etc; with conda,
+    never the other environments nor the package cache)."""
     system = [p for p in ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32") if os.path.lexists(p)]
-    return (*system, os.path.realpath(sys.base_prefix))
+    return (*system, os.path.realpath(os.path.dirname(os.__file__)))
+
+
+def signal_name(number: int) -> str:
+    """A signal's name for any number the kernel can deliver: SIGSEGV, SIGRTMIN+3 (real-time signals have none in
+    Python's enum), or 'signal 99'."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        pass
+    if signal.SIGRTMIN < number <= signal.SIGRTMAX:
+        return f"SIGRTMIN+{number - signal.SIGRTMIN}"
+    return f"signal {number}"
+
+
+_WHY = {
+    signal.SIGKILL: "killed: by the kernel's OOM killer or from outside",
+    signal.SIGSYS: "a system call the sandbox does not allow",
+    signal.SIGXCPU: "its CPU-time limit",
+    signal.SIGXFSZ: "its file-size limit",
+    signal.SIGSEGV: "a crash",
+}
+
+
+def describe_end(end: dict) -> str:
+    """How a process ended, from the keeper's report ({'signal': n} or {'code': n}), in words."""
+    if "signal" in end:
+        sig = int(end["signal"])
+        why = _WHY.get(sig)
+        return f"signal {signal_name(sig)}" + (f" ({why})" if why else "")
+    return f"exit status {end.get('code')}"
+
+
+@functools.cache
+def _seccomp_hex() -> str:
+    return jail.seccomp_program().hex()
 
 
 @dataclass(frozen=True)
@@ -60,25 +107,52 @@ class ToolLimits:
     max_open_files: int = 64  # per process (RLIMIT_NOFILE)
     scratch_mb: int = 16  # the scratch folder's size (tmpfs; counts against the machine's memory)
     max_files: int = 256  # files and folders in the scratch folder (tmpfs inodes)
+    ipc_kb: int = 1024  # each of: SysV shared memory, SysV message queues, POSIX message queues, /dev/shm
 
-    def settings(self, rank_pid: int, uid_base: int, binds: tuple[str, ...]) -> dict:
-        """What jail.py is given: every limit, the read-only binds, the base of the call's uid."""
+    def rlimits(self) -> dict[str, int]:
+        """Every resource limit of a snippet's process, each set explicitly (none inherited from the rank)."""
+        memory = self.memory_mb * 1024 * 1024
         cpu = int(self.timeout_s) + 2  # a CPU-time backstop behind the wall-clock deadline
-        limits = {
-            "RLIMIT_AS": self.memory_mb * 1024 * 1024,
+        return {
+            "RLIMIT_AS": memory,
+            "RLIMIT_DATA": memory,
+            "RLIMIT_STACK": min(8 * 1024 * 1024, memory),
+            "RLIMIT_RSS": memory,  # not enforced by Linux; set so that nothing is inherited
             "RLIMIT_CPU": cpu,
+            "RLIMIT_RTTIME": 0,  # no real-time scheduling (RTPRIO 0 too): nothing can starve the host
+            "RLIMIT_RTPRIO": 0,
+            "RLIMIT_NICE": 0,  # may lower its priority, never raise it
             "RLIMIT_FSIZE": self.max_output_bytes,
             "RLIMIT_CORE": 0,
             "RLIMIT_NOFILE": self.max_open_files,
+            "RLIMIT_LOCKS": self.max_open_files,  # not enforced since Linux 2.4.25; set so that nothing is inherited
             "RLIMIT_NPROC": self.max_processes,
+            "RLIMIT_MEMLOCK": 0,  # no pinned pages
+            "RLIMIT_SIGPENDING": 64,  # queued signals of its uid
+            "RLIMIT_MSGQUEUE": self.ipc_kb * 1024,
         }
+
+    def memory_bound_bytes(self) -> int:
+        """The most memory one call can hold, all kinds counted: every process at its address-space limit, the
+        scratch folder, and the IPC budget four times (SysV shared memory, SysV message queues, POSIX message
+        queues, /dev/shm); kernel objects beyond these, such as pipe buffers, are bounded by open files x processes
+        and the kernel's per-user pipe limit."""
+        per_process = self.memory_mb * 1024 * 1024
+        return self.max_processes * per_process + self.scratch_mb * 1024 * 1024 + 4 * self.ipc_kb * 1024
+
+    def settings(self, rank_pid: int, uid: int, binds: tuple[str, ...], deadline: float, status_fd: int) -> dict:
+        """What jail.py is given on its stdin: every limit, the read-only binds, the call's uid, its deadline."""
         return {
             "rank_pid": rank_pid,
-            "uid_base": uid_base,
+            "uid": uid,
             "binds": list(binds),
-            "limits": limits,
+            "limits": self.rlimits(),
             "scratch_bytes": self.scratch_mb * 1024 * 1024,
             "scratch_files": self.max_files,
+            "ipc_bytes": self.ipc_kb * 1024,
+            "deadline": deadline,  # time.monotonic() (CLOCK_MONOTONIC: the same clock in every process)
+            "status_fd": status_fd,
+            "seccomp": _seccomp_hex(),
         }
 
 
@@ -95,6 +169,7 @@ class _Running:
     call_id: Hashable
     proc: subprocess.Popen
     started: float
+    status: int  # the read end of the keeper's status pipe
     out: bytearray = field(default_factory=bytearray)
 
 
@@ -111,6 +186,7 @@ def boundary_missing(binds: tuple[str, ...] | None = None, timeout_s: float = 30
             "bad += [] if 'Seccomp:\\t2' in status else ['seccomp filter']",
             "bad += [] if 'CapEff:\\t0000000000000000' in status else ['no capabilities']",
             "bad += [] if os.getpid() == 2 else ['a PID namespace']",
+            "bad += [] if os.listdir('/proc') and not os.path.exists('/proc/1') else ['a /proc of its own processes']",
             "ifaces = [l.split(':')[0].strip() for l in open('/proc/self/net/dev').readlines()[2:]]",
             "bad += [] if ifaces == ['lo'] else ['a network namespace']",
             "bad += [] if not os.access('/', os.W_OK) and not os.path.exists('/etc/shadow') else ['read-only root']",
@@ -118,6 +194,10 @@ def boundary_missing(binds: tuple[str, ...] | None = None, timeout_s: float = 30
             "print('MISSING', *bad, sep='|')",
         ]
     )
+    try:
+        jail.seccomp_program()
+    except SeccompUnavailable as e:
+        return [str(e)]
     runner = ToolRunner(ToolLimits(timeout_s=timeout_s), workers=1, binds=binds)
     runner.submit("probe", check)
     deadline = time.monotonic() + timeout_s + 5
@@ -140,7 +220,8 @@ class ToolRunner:
     """Runs submitted Python snippets under `limits`, at most `workers` at a time, never blocking the caller.
 
     Calls start in `poll`; each dies when the thread that started it ends (the parent-death signal is per thread),
-    so poll from the thread that runs the loop, as the inference loop does."""
+    so poll from the thread that runs the loop, as the inference loop does. Nothing a snippet does raises here:
+    every way a call can end is a `ToolResult` with a named outcome."""
 
     def __init__(self, limits: ToolLimits, workers: int = 2, binds: tuple[str, ...] | None = None) -> None:
         if workers < 1:
@@ -149,6 +230,8 @@ class ToolRunner:
         self.binds = default_binds() if binds is None else binds
         self._queue: deque[tuple[Hashable, str]] = deque()
         self._running: list[_Running] = []
+        self._ending: list[tuple[subprocess.Popen, float]] = []  # keepers asked to end, not yet reaped
+        self._failed: list[ToolResult] = []  # calls that could not start
 
     def submit(self, call_id: Hashable, code: str) -> None:
         """Queue one call; it starts at a later `poll` when a worker slot is free."""
@@ -156,48 +239,75 @@ class ToolRunner:
 
     def pending(self) -> int:
         """Calls submitted and not yet returned by `poll`."""
-        return len(self._queue) + len(self._running)
+        return len(self._queue) + len(self._running) + len(self._failed)
 
     def poll(self) -> list[ToolResult]:
         """Start what fits, collect output, enforce deadlines and the output cap; the calls that ended."""
+        self._reap()
         while self._queue and len(self._running) < self.workers:
             self._start(*self._queue.popleft())
-        done = []
+        done, self._failed = self._failed, []
         for run in list(self._running):
-            result = self._check(run)
+            try:
+                result = self._check(run)
+            except Exception as e:  # never raise into the caller's loop: the call ends, named
+                self._end(run)
+                result = self._result(run, "tool_error", time.monotonic() - run.started, bytes(run.out))
+                result.output += f"\n[tool sandbox error: {type(e).__name__}: {e}]"
             if result is not None:
                 self._running.remove(run)
                 done.append(result)
         return done
 
     def close(self) -> None:
-        """Kill whatever still runs; queued calls are dropped."""
+        """Kill whatever still runs and reap it (waits up to a few seconds); queued calls are dropped."""
         for run in self._running:
-            self._kill(run)
+            self._end(run)
         self._running.clear()
         self._queue.clear()
+        self._failed.clear()
+        deadline = time.monotonic() + _END_GRACE_S
+        for proc, _ in self._ending:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _killpg(proc)
+                proc.wait()
+        self._ending.clear()
 
     def _start(self, call_id: Hashable, code: str) -> None:
-        # the call's uid is UID_BASE + the pid of its process, which jail.py knows once it runs
-        settings = self.limits.settings(os.getpid(), UID_BASE, self.binds)
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", _JAIL, json.dumps(settings)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            cwd="/",
-            env={"PATH": "/usr/bin:/bin"},
-            start_new_session=True,
-            close_fds=True,
-        )
+        status_r, status_w = os.pipe()
+        started = time.monotonic()
+        uid = UID_BASE + secrets.randbelow(UID_SPAN)  # drawn: see docs/sandbox.md, why not a pid
+        try:
+            settings = self.limits.settings(os.getpid(), uid, self.binds, started + self.limits.timeout_s, status_w)
+            proc = subprocess.Popen(
+                [os.path.realpath(sys.executable), "-I", "-S", "-c", jail.LOADER],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                cwd="/",
+                env={"PATH": "/usr/bin:/bin"},
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=(status_w,),
+            )
+        except Exception as e:  # no process (EAGAIN, EMFILE) or no seccomp filter: the call fails, the loop goes on
+            os.close(status_r)
+            os.close(status_w)
+            self._failed.append(ToolResult(call_id, "tool_error", f"[tool could not start: {e}]", 0.0))
+            return
+        os.close(status_w)
         assert proc.stdin is not None and proc.stdout is not None
         os.set_blocking(proc.stdout.fileno(), False)
+        os.set_blocking(status_r, False)
         try:
-            proc.stdin.write(code.encode())
+            proc.stdin.write(b"%d\n" % len(_JAIL_SOURCE) + _JAIL_SOURCE)
+            proc.stdin.write(json.dumps(settings).encode() + b"\n" + code.encode(errors="replace"))
             proc.stdin.close()
-        except BrokenPipeError:  # it died before reading: its exit status tells why
+        except BrokenPipeError:  # it died before reading: its status tells why
             pass
-        self._running.append(_Running(call_id, proc, time.monotonic()))
+        self._running.append(_Running(call_id, proc, started, status_r))
 
     def _check(self, run: _Running) -> ToolResult | None:
         cap = self.limits.max_output_bytes
@@ -212,37 +322,91 @@ class ToolRunner:
             run.out += chunk
         seconds = time.monotonic() - run.started
         if len(run.out) > cap:
-            self._kill(run)
+            self._end(run)
             return self._result(run, "tool_output_truncated", seconds, bytes(run.out[:cap]))
         code = run.proc.poll()
         if code is None:
             if seconds > self.limits.timeout_s:
-                self._kill(run)
-                note = f"\n[tool killed after {self.limits.timeout_s:g} s]"
-                return self._result(run, "tool_timeout", seconds, bytes(run.out), note)
+                self._end(run)
+                return self._result(run, "tool_timeout", seconds, bytes(run.out), self._timeout_note())
             return None
         rest = run.proc.stdout.read() or b""  # what it printed just before exiting
+        end = self._status(run)
         out = bytes(run.out + rest)
+        self._close(run)
         if len(out) > cap:
             return self._result(run, "tool_output_truncated", seconds, out[:cap])
-        if code != 0:
-            why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        kind = end.get("end")
+        if kind == "timeout":  # the keeper's own timer (the caller did not poll in time)
+            return self._result(run, "tool_timeout", seconds, out, self._timeout_note())
+        if kind == "snippet":
+            how = str(end.get("how", ""))
+            if how == "E0":
+                return self._result(run, "ok", seconds, out)
+            why = describe_end({"signal": how[1:]} if how[:1] == "S" else {"code": how[1:]})
             return self._result(run, "tool_error", seconds, out, f"\n[tool ended with {why}]")
-        return self._result(run, "ok", seconds, out)
+        if kind == "init":
+            why = f"the sandbox's init died first ({describe_end(end)})"
+        elif kind == "setup":
+            why = "its sandbox could not be built"
+        else:
+            why = f"its sandbox's keeper ended with {describe_end({'signal': -code} if code < 0 else {'code': code})}"
+        return self._result(run, "tool_error", seconds, out, f"\n[tool ended: {why}]")
+
+    def _timeout_note(self) -> str:
+        return f"\n[tool killed after {self.limits.timeout_s:g} s]"
+
+    @staticmethod
+    def _status(run: _Running) -> dict:
+        """The keeper's last word (one JSON line), or {} where it wrote none (it was killed)."""
+        try:
+            data = os.read(run.status, 4096)
+        except OSError:
+            return {}
+        try:
+            end = json.loads(data.decode().splitlines()[0]) if data.strip() else {}
+        except (ValueError, IndexError):
+            return {}
+        return end if isinstance(end, dict) else {}
 
     @staticmethod
     def _result(run: _Running, outcome: str, seconds: float, out: bytes, note: str = "") -> ToolResult:
         return ToolResult(run.call_id, outcome, out.decode(errors="replace") + note, seconds)
 
     @staticmethod
-    def _kill(run: _Running) -> None:
-        try:
-            os.killpg(run.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        run.proc.wait()
+    def _close(run: _Running) -> None:
         assert run.proc.stdout is not None
         run.proc.stdout.close()
+        if run.status >= 0:
+            os.close(run.status)
+            run.status = -1
+
+    def _end(self, run: _Running) -> None:
+        """Ask the keeper to end the call (it kills and reaps the namespace's init, so nothing is left, not even a
+        zombie); it is reaped by a later poll, without waiting here."""
+        try:
+            run.proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        self._close(run)
+        self._ending.append((run.proc, time.monotonic()))
+
+    def _reap(self) -> None:
+        now, still = time.monotonic(), []
+        for proc, asked in self._ending:
+            if proc.poll() is not None:
+                continue
+            if now - asked > _END_GRACE_S:  # a keeper that does not end (it should never happen): force it
+                _killpg(proc)
+            still.append((proc, asked))
+        self._ending = still
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class ToolMailbox:
