@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import faulthandler
 import os
 import signal
@@ -13,7 +12,7 @@ import torch
 
 from pipelinerl_fsdp.config import Config, ConfigError, InferenceConfig, JobConfig, save_resolved
 from pipelinerl_fsdp.configure import load_config, named_source, validate_world
-from pipelinerl_fsdp.job.world import World, init_world, job_flags, shutdown
+from pipelinerl_fsdp.job.world import World, init_world, job_flags, shutdown, wait_for_flag
 from pipelinerl_fsdp.runtime import stopping
 from pipelinerl_fsdp.runtime.gpus import smallest_gpu_gib
 from pipelinerl_fsdp.runtime.processes import kill_descendants
@@ -37,14 +36,22 @@ def run_rl(cfg: Config, world: World) -> None:
                         (os.cpu_count() or 1) * world.world_size // (world.local_world_size * len(world.trainer_ranks)),
                     )
                 )
-            run_warmstart(cfg, world)
+            try:
+                run_warmstart(cfg, world)
+            except BaseException as e:  # the engines wait for the warm start: tell them at once, with the cause
+                cause = f"rank {world.rank}, warm start: {type(e).__name__}: {e}"
+                try:
+                    job_flags(cfg.world.timeout_s).set("warmstart_failed", cause)
+                except Exception:  # noqa: BLE001 (the store may be gone; torchrun's SIGTERM then ends the others)
+                    pass
+                raise
             torch.set_num_threads(threads)
             if world.is_main:
                 job_flags(cfg.world.timeout_s).set("warmstart_done", "1")
         else:
-            # The warm start may take longer than any collective's time-out: wait on the job's store instead. A
-            # failed trainer ends the job (torchrun stops this rank), so this wait needs no deadline of its own.
-            job_flags(cfg.world.timeout_s).wait(["warmstart_done"], datetime.timedelta(days=7))
+            # The warm start may take longer than any collective's time-out: wait on the job's store instead, in
+            # short checks, so a failed trainer (its cause on the store) or torchrun's SIGTERM ends this rank at once.
+            wait_for_flag(job_flags(cfg.world.timeout_s), "warmstart_done", "warmstart_failed")
         path = cfg.warmstart.path
     from pipelinerl_fsdp.job_inputs import build_job_inputs
 

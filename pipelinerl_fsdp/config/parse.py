@@ -237,12 +237,45 @@ def parse_config(argv: list[str], variants: Mapping[str, Mapping[str, type]]) ->
     sources = [src for _, src in layers] + (["command line"] if overrides else [])
     cfg.source = " + ".join(sources) or "defaults"
     resolve_defaults(cfg.rl, cfg.loss)
+    given = [(".".join(parts), "command line") for parts, _ in overrides]
+    given = [(key, source) for data, source in layers for key in _given_keys(data, "")] + given
     try:
-        check_sections(cfg)
+        check_sections(cfg)  # an impossible value first, then a key of a section left off
+        check_switched_sections(cfg, given)
         check_rules(cfg)
     except ConfigError as e:
         raise ConfigError(f"{e} ({cfg.source})") from None
     return cfg
+
+
+def _given_keys(table: dict[str, Any], prefix: str) -> list[str]:
+    """Every key a TOML table sets, dotted ('lora.rank')."""
+    keys = []
+    for key, value in table.items():
+        if isinstance(value, dict):
+            keys += _given_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def check_switched_sections(cfg: Config, given: list[tuple[str, str]]) -> None:
+    """A section with an `enabled` switch ([lora]) that is off: a key of it set in a file or on the command line
+    would do nothing, silently. Refused, naming the switch (the same rule for every such section, nested ones
+    included)."""
+    for key, source in given:
+        parts = key.split(".")
+        obj: Any = cfg
+        for depth, part in enumerate(parts[:-1]):
+            obj = getattr(obj, part, None)
+            if not dataclasses.is_dataclass(obj):
+                break
+            section = ".".join(parts[: depth + 1])
+            if parts[depth + 1] != "enabled" and getattr(obj, "enabled", None) is False:
+                raise ConfigError(
+                    f"{key} is set ({source}) but [{section}] is off ({section}.enabled = false), so it would do "
+                    f"nothing: set {section}.enabled = true to use it, or remove {key}"
+                )
 
 
 def check_sections(cfg: Config) -> None:
@@ -277,12 +310,13 @@ def _toml_value(v: Any) -> str:
 def _toml_table(obj: Any, path: str, lines: list[str]) -> None:
     lines.append(f"\n[{path}]")
     subs = []
-    for f in dataclasses.fields(obj):
+    off = getattr(obj, "enabled", None) is False  # a section switched off: its other keys as comments (a key of
+    for f in dataclasses.fields(obj):  # it set while off is refused on loading, see check_switched_sections)
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             subs.append((f.name, value))
         else:
-            lines.append(f"{f.name} = {_toml_value(value)}")
+            lines.append(f"{'# ' if off and f.name != 'enabled' else ''}{f.name} = {_toml_value(value)}")
     for name, value in subs:
         _toml_table(value, f"{path}.{name}", lines)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -207,6 +208,21 @@ def job_flags(timeout_s: float) -> dist.Store:
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return dist.PrefixStore(f"{store_prefix()}flags/", store)
+
+
+def wait_for_flag(store: dist.Store, key: str, failed_key: str, poll_s: float = 0.2) -> None:
+    """Wait until `key` is set on the job's store, in short checks: a blocking `store.wait` holds off Python's
+    signal handlers for its whole length, so torchrun's SIGTERM (sent to the survivors when a rank fails) would go
+    unanswered until its SIGKILL 30 s later. Where `failed_key` is set instead (a peer failed first), raise with
+    the cause it wrote, so every rank ends within `poll_s` of the first failure and says why."""
+    while True:
+        if store.check([failed_key]):
+            raise RuntimeError(
+                f"a peer failed before setting {key!r}: {store.get(failed_key).decode(errors='replace')}"
+            )
+        if store.check([key]):
+            return
+        time.sleep(poll_s)
 
 
 def shutdown() -> None:
