@@ -18,6 +18,7 @@ Run: torchrun --nproc-per-node 2 tests/dist/vllm_job_update.py WORK_DIR [LOAD]  
 
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -39,15 +40,23 @@ from pipelinerl_fsdp.transport.store_group import join_store_group, store_addres
 from pipelinerl_fsdp.transport.weights import STOP, UPDATE, WeightReceiver, WeightSender  # noqa: E402
 from pipelinerl_fsdp.job.world import init_world  # noqa: E402
 
-# The update is taken once a request has generated LANDING tokens (vLLM streams each step's output), so it lands
-# mid-sequence whatever the machine's speed. Timing it instead (send ~0.15 s in) failed in CI when the trainer
-# rank's header came after all 400 tokens (~1.3 s).
-# Phase 3's two updates come back to back, the second once the trainer rank has pushed the first: its requests are
-# longer (PHASE3_TOKENS), so that a trainer rank starved of the CPU for a second still lands it mid-sequence (with
-# 400 tokens a CI run on a slow day saw every request finish first; phases 1 and 2, one update each, take it at
-# LANDING tokens and need fewer).
-T, MAX_TOKENS, PHASE3_TOKENS, MAX_LEN, LANDING = 0.8, 300, 800, 848, 24
+# Each update is taken once a request has generated LANDING tokens more than at the previous one (vLLM streams
+# each step's output), with its header already here, so it lands mid-sequence whatever the machine's speed. Timing
+# it instead failed in CI twice: phase 1's header sent ~0.15 s in came after all 400 tokens (~1.3 s); phase 3's
+# second update, taken as soon as the trainer rank had pushed it, came after all 400 on a slow day. The trainer rank
+# can push an update only once the engine has taken the one before (`WeightSender.push` waits for its buckets), so
+# between phase 3's two updates vLLM is held (its scheduler paused, requests and caches kept) until the second
+# header is here.
+T, MAX_TOKENS, MAX_LEN, LANDING = 0.8, 300, 348, 24
 PROMPTS = [[3, 4, 5, 13], [6, 7, 8, 9, 13], [10, 13], [11, 12, 13]]
+
+
+def hold(engine: VLLMEngine, pause: bool) -> None:
+    """Pause vLLM's scheduler (every request and its cache kept, as `VLLMEngine._update` does around a load) or
+    resume it."""
+    llm = engine.llm
+    coro = llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False) if pause else llm.resume_generation()
+    engine._call(coro, "pausing vLLM" if pause else "resuming vLLM")
 
 
 def main() -> None:
@@ -89,9 +98,9 @@ def main() -> None:
     while not engine.step(timeout=0.1):
         pass
     # phase, the versions its updates carry, inference.kv_max_age, and whether each update recomputes the caches
-    phases = ((1, (1,), -1, (False,), MAX_TOKENS), (2, (2,), 0, (True,), MAX_TOKENS),
-              (3, (3, 4), 1, (False, True), PHASE3_TOKENS))
-    for phase, versions, max_age, expect_recomputed, n_tok in phases:
+    phases = ((1, (1,), -1, (False,)), (2, (2,), 0, (True,)), (3, (3, 4), 1, (False, True)))
+    n_tok = MAX_TOKENS
+    for phase, versions, max_age, expect_recomputed in phases:
         reqs = [Request(10 * phase + i, p, n_tok) for i, p in enumerate(PROMPTS)]
         while not receiver.pending():  # the phase starts once the update's header is here: the trainer rank's
             engine.step(timeout=0.002)  # timing plays no part
@@ -99,16 +108,21 @@ def main() -> None:
             engine.add(r)
         done: list[Request] = []
         recomputed: list[int] = []
+        landing = LANDING
         while len(done) < len(reqs):
-            # taken once a request has LANDING tokens: by count, not by time, so a slow machine cannot make it miss
-            # every sequence (only a stall of ~1 s before vLLM's pause could). A phase's later updates follow back
-            # to back, each waiting for its header while vLLM goes on generating under the one just loaded.
-            if not recomputed and max(engine.tokens_in_flight(), default=0) >= LANDING and receiver.pending():
-                for expected in versions:
-                    kind, version = receiver.wait_header()
-                    assert kind == UPDATE and version == expected, (kind, version)
-                    recomputed.append(engine.load_update(receiver, version, max_age))
-                    receiver.post()
+            # taken once a request has `landing` tokens: by count, not by time, so a slow machine cannot make it
+            # miss every sequence (only a stall of ~1 s before vLLM's pause could)
+            if len(recomputed) < len(versions) and max(engine.tokens_in_flight(), default=0) >= landing:
+                kind, version = receiver.wait_header()  # here already: the phase began, or vLLM was held, for it
+                assert kind == UPDATE and version == versions[len(recomputed)], (kind, version)
+                recomputed.append(engine.load_update(receiver, version, max_age))
+                receiver.post()
+                if len(recomputed) < len(versions):  # held until the trainer rank's next header is here
+                    hold(engine, True)
+                    landing = max(engine.tokens_in_flight(), default=0) + LANDING
+                    while not receiver.pending():
+                        time.sleep(0.002)
+                    hold(engine, False)
             done += engine.step(timeout=0.002)
         assert len(recomputed) == len(versions), "an update arrived after every request had finished"
         first = versions[0] - 1
@@ -159,7 +173,7 @@ def main() -> None:
         assert worst_before < 1e-4 and worst_after < 1e-4, "log-probs differ from the reference"
         if max_age < 0:
             assert min_gap > 1e-3, "keeping and recomputing the KV cache gave the same log-probs: proves nothing"
-    assert engine.stats()[0] == 8 + len(PROMPTS) * sum(ph[-1] for ph in phases)
+    assert engine.stats()[0] == 8 + len(PROMPTS) * n_tok * len(phases)
     dist.barrier()
     kind, _ = receiver.wait_header()
     assert kind == STOP
