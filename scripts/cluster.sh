@@ -7,7 +7,7 @@
 #   bash scripts/cluster.sh up                  # namespaces, link, munge, slurmctld, 2 slurmd; prints the nodes
 #   bash scripts/cluster.sh exec NODE CMD...    # run CMD on NODE (its hostname, address, SLURM_CONF set)
 #   bash scripts/cluster.sh kill NODE           # kill -9 every process of NODE (its slurmd too): the node crashed
-#   bash scripts/cluster.sh revive NODE         # start NODE's slurmd again (after kill) and wait until it is idle
+#   bash scripts/cluster.sh revive NODE         # start NODE's daemons again (after kill) and wait until it is idle
 #   bash scripts/cluster.sh link NODE down|up   # take NODE's link down or up (TCP connections stay open)
 #   bash scripts/cluster.sh status              # namespaces, daemons, sinfo
 #   bash scripts/cluster.sh down                # everything gone: no namespace, link, daemon, mount left
@@ -143,6 +143,9 @@ wait_idle() {
 revive() {
   # shellcheck disable=SC2046
   all_gone $(pid_of "$DIR/slurm/slurmd-$1.pid") || die "slurmd of $1 is running"
+  # node0 also runs slurmctld, which died with it
+  # shellcheck disable=SC2046
+  if [ "$1" = node0 ] && all_gone $(pid_of "$DIR/slurm/slurmctld.pid"); then in_node node0 slurmctld -f "$DIR/slurm.conf"; fi
   in_node "$1" slurmd -f "$DIR/slurm.conf" -N "$1"
   wait_idle "$1"
   echo "$1: slurmd up, idle"

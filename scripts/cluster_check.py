@@ -14,6 +14,10 @@ Parts (each well under 10 minutes on a 2-core machine once DIR/warmstart exists;
   slurm       the same through the real wrapper: sbatch --nodes 2 scripts/slurm_train.sh --config arithmetic
   crash       every process of node1 killed mid-run (torchrun); then the same job resubmitted: where it resumed
   link        node1's link down for 20 s mid-run (weights and rollouts in flight), then up
+  link-long   node1's link down for 60 s with --world.timeout_s=30: the job ends by its deadline, named
+  vanish      node1's link down for good at step 40 (a node powered off): each side ends, naming the other
+  crash-node0 the same with node0 (the trainer, the job's store) killed: the engine's node is the survivor
+  crash-slurm every process of node1 (its slurmd too) killed under SLURM: requeued, resumed once the node is back
   interface   GLOO_SOCKET_IFNAME naming no interface, and naming the loopback (both nodes)
   rendezvous  RDZV_ENDPOINT an address nobody has, and a name that does not resolve
   scancel     a SLURM job cancelled mid-run: every process on both nodes gone, the last checkpoint intact
@@ -293,31 +297,37 @@ def part_slurm(out: Path) -> dict:
     }
 
 
-def part_crash(out: Path) -> dict:
+def part_crash(out: Path, node: str = "node1") -> dict:
+    """Every process of `node` killed at step 50 (torchrun, checkpoints every 20 steps): how long the other node's
+    processes live on, what its console says; then the same command again, and where it resumed."""
     require_cluster()
-    run = fresh(out, "crash")
+    part = "crash" if node == "node1" else f"crash-{node}"
+    survivor = "node0" if node == "node1" else "node1"
+    run = fresh(out, part)
     args = job_args(out, run, "--checkpoint.interval=20", "--rl.max_steps=120")
-    job = TwoNodeJob(out, run, args, torchrun_env("crash"))
+    job = TwoNodeJob(out, run, args, torchrun_env(part))
     at = wait_until(lambda: last_step(run) >= 50, 300)
     assert at is not None, f"the job never reached step 50: {job.logs}"
     step_killed = last_step(run)
     t_kill = time.monotonic()
-    subprocess.run([*CLUSTER, "kill", "node1"], check=True)
+    subprocess.run([*CLUSTER, "kill", node], check=True)
     codes = job.wait(time.monotonic() - job.t0 + 120)
     ended_s = time.monotonic() - t_kill
     left = wait_until(lambda: not node_pids("node0") and not node_pids("node1"), 10)
+    subprocess.run([*CLUSTER, "revive", node])  # its slurmd died with it (none on a CLUSTER_NO_SLURM cluster)
     ck, _ = newest_intact(run / "checkpoints")
     # resubmitted: the same command again (checkpoint.resume "auto": the newest intact checkpoint)
     t1 = time.monotonic()
-    job2 = TwoNodeJob(out, run, args, torchrun_env("crash-resumed"), log_suffix="-resubmitted")
+    job2 = TwoNodeJob(out, run, args, torchrun_env(part + "-again"), log_suffix="-resubmitted")
     codes2 = job2.wait(480)
     resumed = re.findall(r"\[rl\] resumed from [^\n]*", job2.console("node0"))
     return {
+        "killed": node,
         "killed_at_step": step_killed,
-        "survivor_rc": codes["node0"],
+        "survivor_rc": codes[survivor],
         "survivor_ended_s": round(ended_s, 1),
         "processes_left_after_10s": left is None,
-        "survivor_cause": cause_lines(job.console("node0")),
+        "survivor_cause": cause_lines(job.console(survivor), 6),
         "newest_intact_checkpoint": ck.name if ck else None,
         "resubmitted_rc": codes2,
         "resubmitted_wall_s": round(time.monotonic() - t1, 1),
@@ -352,6 +362,60 @@ def part_link(out: Path, down_s: float = 20.0) -> dict:
         "causes_node1": cause_lines(job.console("node1")),
         "after_up_s": round(time.monotonic() - t_up, 1),
         **summary(run),
+    }
+
+
+def part_link_long(out: Path, down_s: float = 60.0, timeout_s: int = 30) -> dict:
+    """node1's link down for longer than world.timeout_s (here 30 s): the trainer must end by its deadline, naming
+    the wait; node1 hears of it when the link is back (as a node that vanished for good never would)."""
+    require_cluster()
+    run = fresh(out, "link-long")
+    job = TwoNodeJob(
+        out, run, job_args(out, run, "--rl.max_steps=300", f"--world.timeout_s={timeout_s}"), torchrun_env("ll")
+    )
+    assert wait_until(lambda: last_step(run) >= 40, 300) is not None, f"never reached step 40: {job.logs}"
+    step_down = last_step(run)
+    subprocess.run([*CLUSTER, "link", "node1", "down"], check=True)
+    t0 = time.monotonic()
+    node0_end = wait_until(lambda: job.procs["node0"].poll() is not None, down_s)
+    time.sleep(max(0.0, down_s - (time.monotonic() - t0)))
+    subprocess.run([*CLUSTER, "link", "node1", "up"], check=True)
+    t_up = time.monotonic()
+    codes = job.wait(time.monotonic() - job.t0 + 120)
+    return {
+        "link_down_at_step": step_down,
+        "down_s": down_s,
+        "world_timeout_s": timeout_s,
+        "node0_ended_after_down_s": None if node0_end is None else round(node0_end, 1),
+        "node1_ended_after_up_s": round(time.monotonic() - t_up, 1),
+        "rc": codes,
+        "cause_node0": cause_lines(job.console("node0")),
+        "cause_node1": cause_lines(job.console("node1")),
+        "last_step": last_step(run),
+    }
+
+
+def part_vanish(out: Path, limit_s: float = 150.0) -> dict:
+    """node1 drops off the network for good at step 40 (its link down, never up: a node powered off resets no
+    connection): how long each side lives on, and what it says (the default world.timeout_s, 600 s)."""
+    require_cluster()
+    run = fresh(out, "vanish")
+    job = TwoNodeJob(out, run, job_args(out, run, "--rl.max_steps=300"), torchrun_env("vanish"))
+    assert wait_until(lambda: last_step(run) >= 40, 300) is not None, f"never reached step 40: {job.logs}"
+    step_down = last_step(run)
+    subprocess.run([*CLUSTER, "link", "node1", "down"], check=True)
+    t0 = time.monotonic()
+    ended = {n: wait_until(lambda n=n: job.procs[n].poll() is not None, limit_s) for n in NODES}
+    subprocess.run([*CLUSTER, "link", "node1", "up"], check=True)
+    codes = job.wait(time.monotonic() - job.t0 + 30)
+    return {
+        "link_down_at_step": step_down,
+        "ended_after_s": {n: None if e is None else round(e, 1) for n, e in ended.items()},
+        "measured_since_down_s": round(time.monotonic() - t0, 1),
+        "rc": codes,
+        "cause_node0": cause_lines(job.console("node0"), 6),
+        "cause_node1": cause_lines(job.console("node1"), 6),
+        "last_step": last_step(run),
     }
 
 
@@ -447,8 +511,11 @@ PARTS = {
     "torchrun": part_torchrun,
     "slurm": part_slurm,
     "crash": part_crash,
+    "crash-node0": lambda out: part_crash(out, "node0"),
     "crash-slurm": part_crash_slurm,
     "link": part_link,
+    "link-long": part_link_long,
+    "vanish": part_vanish,
     "interface": part_interface,
     "rendezvous": part_rendezvous,
     "scancel": part_scancel,
