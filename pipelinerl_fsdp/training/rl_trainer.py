@@ -265,8 +265,7 @@ class RLTrainer:
                 "skipped_long_prompts": engines.skipped_prompts,
             }
         )
-        epoch = self.task.epoch(max(c.max_gid.values())) if c.max_gid else None
-        if epoch is not None:
+        if c.max_gid and (epoch := self.task.epoch(max(c.max_gid.values()))) is not None:
             values["data_epoch"] = epoch  # of the newest problem the engines have sent
         self._absorb_evals()
         evals, self._evals_done = self._evals_done, []  # two can complete within one step, e.g. with the final one
@@ -403,8 +402,7 @@ def run_trainer(cfg: Config, world: World, inputs: JobInputs, bucket_bytes: int)
     collector: Collector | None = None
     receiver: RolloutReceiver | None = None
     if world.is_main:
-        # The receive queue holds what the trainer takes at once (a step's groups, or a part with rl.waves): with
-        # the engines' small send queues this bounds how far generation runs ahead of training (the lag).
+        # it holds what the trainer takes at once (a step or a part): with the engines' send queues it bounds the lag
         receiver = RolloutReceiver(world.rollout_group, n_engines, wave_groups(rl))
         collector = Collector(receiver, rl, n_engines, random.Random(cfg.job.seed))
     # held-out evaluation runs on the engines; their reports are joined here
