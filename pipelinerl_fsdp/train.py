@@ -166,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"config error: {e}", file=sys.stderr, flush=True)
             return 2
         print(text, flush=True)
+        if cfg.plan.predict:
+            from pipelinerl_fsdp.plan_performance import performance_plan
+
+            c = cfg
+            print(
+                performance_plan(c.plan, c.model, c.rl, c.inference, c.task, c.trainer, c.world.inference_ranks),
+                flush=True,
+            )
         return 1 if problems else 0
     try:
         with named_source(cfg.source):  # a ConfigError raised by any stage names where the values came from

@@ -14,6 +14,7 @@ Depends on nothing else of the package. Roles take the sections they read, not t
 from pipelinerl_fsdp.config.errors import ConfigError, check_choice, failed
 from pipelinerl_fsdp.config.inference import EvalConfig, InferenceConfig
 from pipelinerl_fsdp.config.job import (
+    GPU_KINDS,
     CheckpointConfig,
     JobConfig,
     MetricsConfig,
@@ -62,6 +63,7 @@ __all__ = [
     "Normalization",
     "OptimizerConfig",
     "PlanConfig",
+    "GPU_KINDS",
     "RLConfig",
     "TaskConfig",
     "TokenizerConfig",

@@ -148,6 +148,20 @@ class PlanConfig:
     # torchrun processes per node; 0: one per GPU
     procs_per_node: int = 0
     gpu_memory_gib: float = 80.0
+    # The performance prediction after the memory plan (pipelinerl_fsdp/plan_performance.py): the job simulator
+    # (pipelinerl_fsdp/perf/) on this cluster. Off: the memory plan only.
+    predict: bool = True
+    # the GPU's datasheet (bf16 peak, HBM and link bandwidths): one of GPU_KINDS (perf/spec.py's presets)
+    gpu: str = "h100"
+    # a measured profile (benchmarks.perf_profile's JSON) instead of the spec; "": the spec
+    profile: str = ""
+    # the trainer's model FLOPs utilisation the spec-based step assumes
+    mfu: float = 0.35
+    # the network's bandwidth per GPU between nodes, GB/s; 0: the GPU preset's (a DGX: 400 Gb/s a GPU = 50)
+    inter_node_gbs: float = 0.0
+    # completion lengths: a lengths file (perf/data/*.json: quantiles) or a folder of rollout dumps; "": the task's
+    # own distribution where it has one (countdown), else perf/data/math_reasoning_lengths.json
+    lengths: str = ""
 
     def check(self) -> list[tuple[str, str]]:
         return failed(
@@ -156,5 +170,12 @@ class PlanConfig:
                 ("gpus_per_node", self.gpus_per_node >= 1, ">= 1"),
                 ("procs_per_node", self.procs_per_node >= 0, ">= 0"),
                 ("gpu_memory_gib", self.gpu_memory_gib > 0, "> 0"),
+                ("gpu", self.gpu in GPU_KINDS, f"one of {', '.join(GPU_KINDS)}"),
+                ("mfu", 0 < self.mfu <= 1, "in (0, 1]"),
+                ("inter_node_gbs", self.inter_node_gbs >= 0, ">= 0 (0: the GPU preset's)"),
             ]
         )
+
+
+# the GPU presets of pipelinerl_fsdp/perf/spec.py (a test keeps the two lists equal)
+GPU_KINDS = ("h100", "h200", "a100")

@@ -171,7 +171,7 @@ LAYERS: list[list[str]] = [
     ["job_inputs"],
     ["inference"],
     ["training", "plan_sizes"],  # the trainer; the sizes the plan counts from
-    ["plan", "configure"],
+    ["plan", "plan_performance", "configure"],
     ["train", "launch"],  # entry points
 ]
 

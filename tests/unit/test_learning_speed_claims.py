@@ -48,7 +48,7 @@ def test_relative_targets_close_a_share_of_the_warm_start_s_remaining_error():
     assert ls.relative_targets(0.734, [0.35, 0.2, 0.5]) == [0.827, 0.787, 0.867]
     assert ls.relative_targets(0.832, [0.35]) == [0.891]
     with pytest.raises(SystemExit, match="fractions in"):
-        ls.relative_targets(0.8, [0.85])  # an absolute target given where a fraction is expected
+        ls.relative_targets(0.8, [1.5])  # not a share of the remaining error
 
 
 def timed(t: float | None, wall: float = 100.0, sps: float = 1.0) -> dict:
