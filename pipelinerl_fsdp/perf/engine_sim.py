@@ -251,8 +251,12 @@ class EngineSim:
         self._acc(now)
         self.queued += 1
         self.w.outbox.append((self.i, self.backlog.popleft()))
-        if not self.backlog and not self.running and not self.paused:
+        if self.backlog or self.paused:
+            return
+        if not self.running:
             self.proceed(now)  # the loop was waiting to send: it goes on
+        else:
+            self.stop_at_next_boundary(now)  # vLLM ran on meanwhile: the loop admits before its next step
 
     # ---- updates ----
     def header(self, now: float) -> None:
@@ -262,11 +266,15 @@ class EngineSim:
             return  # still loading the previous update: joins when it resumes
         if not self.running:
             self.join(now)
-            return
+        else:
+            self.stop_at_next_boundary(now)
+
+    def stop_at_next_boundary(self, now: float) -> None:
+        """Something for the loop arrived while the engine steps: take it at the first step boundary from `now`."""
         k = self.cost.steps_within(now - self.t, self.n, self.kv, self.prefill)
         if k == 0:
             self.running = False
-            self.join(now)
+            self.proceed(now)
         elif self.steps + k < self.target:
             self.token += 1
             self.target = self.steps + k

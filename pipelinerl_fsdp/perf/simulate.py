@@ -86,7 +86,11 @@ class SimConfig:
                 ">= 1 (1 colocated)",
             ),
             ("max_lag", self.max_lag >= 0, ">= 0"),
-            ("waves", self.waves >= 1 and groups % self.waves == 0, "divides batch_size / attempts"),
+            (
+                "waves",
+                self.waves >= 1 and groups % self.waves == 0 and (self.mode != "colocated" or self.waves == 1),
+                "divides batch_size / attempts (1 colocated, which generates the whole batch first)",
+            ),
             ("prompt_tokens", self.prompt_tokens >= 0, ">= 0"),
             ("max_new_tokens", self.max_new_tokens >= 0, ">= 0"),
             ("send_queue_groups", self.send_queue_groups >= 1, ">= 1"),

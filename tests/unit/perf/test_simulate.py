@@ -25,7 +25,7 @@ FIXED = Uniform(64, 64)
 
 
 def run(mode: str, train: TrainCost = FAST_TRAIN, push: PushCost | None = None, lengths=FIXED, **kw):
-    cfg = SimConfig(mode=mode, engines=1, batch_size=8, attempts=8, **({"steps": 20, "slots": 8} | kw))
+    cfg = SimConfig(mode=mode, engines=1, attempts=8, **({"steps": 20, "slots": 8, "batch_size": 8} | kw))
     return simulate(cfg, SimCosts(DECODE, train, push), lengths, seed=0)
 
 
@@ -71,6 +71,48 @@ def test_trainer_bound_pipeline_lag_by_littles_law():
     # max_lag below it: stale groups are dropped whole and counted; what is trained is within the bound
     capped = run("pipeline", SLOW_TRAIN, steps=30, max_lag=3)
     assert capped.dropped_samples > 0 and capped.dropped_samples % 8 == 0 and capped.lag_max <= 3
+
+
+def test_waves_halve_the_trainer_bound_lag():
+    """rl.waves = 2 with two groups a step (batch 16), trainer-bound (each group's part 2 s: a 4 s step against
+    1 s a group of generation): the receiver holds one part (1 group) + 1, the send queue 2 + 1, the engine's loop
+    1: 6 groups ahead of the trainer as with one wave, but it takes 2 of them a version, so each waits 6 takes =
+    3 versions (it is generated just after a take, with the version then, and taken 6 takes later, at the same
+    point of a step 3 steps on)."""
+    r = run("pipeline", SLOW_TRAIN, batch_size=16, waves=2, steps=30, warmup_steps=10)
+    assert 1 / r.steps_per_s == pytest.approx(4.0)
+    assert (r.lag_p50, r.lag_max, r.lag_mean) == (3, 3, 3)
+
+
+def test_prefill_and_kv_growth_in_the_step_time():
+    """Conventional G = 1 with 100-token prompts: 64 steps of 8 sequences whose contexts sum to 8 (100 + i) at
+    step i, the first step also prefilling the 8 prompts (once with a prefix cache: attempts share the prompt),
+    then training 8 x 164 tokens."""
+    decode = DecodeCost(base_s=1e-3, per_seq_s=1e-4, per_kv_s=1e-7, prefill_per_token_s=1e-5)
+    kv = sum(8 * (100 + i) for i in range(64))
+    gen = 64 * (1e-3 + 8e-4) + 1e-7 * kv
+    for prefix_cache, prefill in ((False, 800), (True, 100)):
+        cfg = SimConfig(
+            mode="conventional",
+            batch_size=8,
+            attempts=8,
+            slots=8,
+            steps=5,
+            prompt_tokens=100,
+            prefix_cache=prefix_cache,
+        )
+        r = simulate(cfg, SimCosts(decode, FAST_TRAIN), FIXED, seed=0)
+        assert 1 / r.steps_per_s == pytest.approx(gen + 1e-5 * prefill + 8 * 164 * 2.0**-10)
+
+
+def test_vllm_decodes_while_its_loop_waits_to_send():
+    """Trainer-bound, two groups of 32-96 tokens in the engine: the reference engine stops stepping while its loop
+    waits to send (busy and send-blocked never overlap), vLLM's engine runs on (they do)."""
+    kw = {"slots": 16, "lengths": Uniform(32, 96), "steps": 30, "warmup_steps": 10}
+    ref = run("pipeline", SLOW_TRAIN, **kw)
+    vllm = run("pipeline", SLOW_TRAIN, decode_while_blocked=True, **kw)
+    assert ref.engine_busy_frac + ref.engine_send_blocked_frac <= 1 + 1e-9
+    assert vllm.engine_busy_frac + vllm.engine_send_blocked_frac > 1.05
 
 
 def test_conventional_g2_lags_and_step_time():
