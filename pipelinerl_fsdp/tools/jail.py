@@ -191,8 +191,11 @@ def build_root(settings: dict) -> None:
             raise SetupError(f"IPC limit {key}: {e.strerror}") from e
     _check(_libc.umount2(b"/proc", 0), "unmount the full /proc")
     # what the snippet sees: its own processes only (not the init's, whose memory holds the settings), no sys/
-    opts = "hidepid=invisible,subset=pid"
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts, "/proc of the call's own processes")
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    try:
+        _mount("proc", "/proc", "proc", flags, "hidepid=invisible,subset=pid", "/proc of the call's own processes")
+    except SetupError:  # kernels before 5.8 know neither option by name: hidepid=2 is the same hiding (no subset)
+        _mount("proc", "/proc", "proc", flags, "hidepid=2", "/proc of the call's own processes")
     os.mkdir(SCRATCH)
     opts = f"size={settings['scratch_bytes']},nr_inodes={settings['scratch_files']},mode=0700,uid={uid},gid={uid}"
     _mount("tmpfs", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV, opts, "scratch tmpfs")
