@@ -168,7 +168,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["paper", "scale"], default=None)
     ap.add_argument("--out", type=Path, default=RESULTS / "perf_scaling.json")
+    ap.add_argument("--replot", action="store_true", help="only the plot again, from --out's *_all.json")
     a = ap.parse_args()
+    if a.replot:
+        saved = json.loads(a.out.with_name(a.out.stem + "_all.json").read_text())
+        if plot(saved["scale"], a.out.with_suffix(".png")):
+            print(f"plot: {a.out.with_suffix('.png')}")
+        return
     out: dict = {}
     if a.only != "scale":
         rows, out["paper"] = paper_rows(False)
