@@ -240,8 +240,7 @@ def parse_config(argv: list[str], variants: Mapping[str, Mapping[str, type]]) ->
     given = [(".".join(parts), "command line") for parts, _ in overrides]
     given = [(key, source) for data, source in layers for key in _given_keys(data, "")] + given
     try:
-        check_sections(cfg)  # an impossible value first, then a key of a section left off
-        check_switched_sections(cfg, given)
+        check_sections(cfg, given)
         check_rules(cfg)
     except ConfigError as e:
         raise ConfigError(f"{e} ({cfg.source})") from None
@@ -259,29 +258,33 @@ def _given_keys(table: dict[str, Any], prefix: str) -> list[str]:
     return keys
 
 
-def check_switched_sections(cfg: Config, given: list[tuple[str, str]]) -> None:
+def check_switched_section(section: Any, path: str, given: list[tuple[str, str]]) -> None:
     """A section with an `enabled` switch ([lora]) that is off: a key of it set in a file or on the command line
-    would do nothing, silently. Refused, naming the switch (the same rule for every such section, nested ones
-    included)."""
+    (`given`: dotted keys under `path`, with their source) would do nothing, silently. Refused, naming the switch
+    (the same rule for every such section, nested ones included)."""
     for key, source in given:
         parts = key.split(".")
-        obj: Any = cfg
-        for depth, part in enumerate(parts[:-1]):
-            obj = getattr(obj, part, None)
+        obj: Any = section
+        for depth in range(1, len(parts)):  # obj: the table of parts[:depth]
             if not dataclasses.is_dataclass(obj):
                 break
-            section = ".".join(parts[: depth + 1])
-            if parts[depth + 1] != "enabled" and getattr(obj, "enabled", None) is False:
+            name = ".".join([path, *parts[1:depth]])
+            if parts[depth] != "enabled" and getattr(obj, "enabled", None) is False:
                 raise ConfigError(
-                    f"{key} is set ({source}) but [{section}] is off ({section}.enabled = false), so it would do "
-                    f"nothing: set {section}.enabled = true to use it, or remove {key}"
+                    f"{key} is set ({source}) but [{name}] is off ({name}.enabled = false), so it would do "
+                    f"nothing: set {name}.enabled = true to use it, or remove {key}"
                 )
+            obj = getattr(obj, parts[depth], None)
 
 
-def check_sections(cfg: Config) -> None:
-    """Every section's (and nested section's) own `check()`: the first impossible value, named."""
+def check_sections(cfg: Config, given: list[tuple[str, str]] | None = None) -> None:
+    """Every section's (and nested section's) own `check()`: the first impossible value, named; then a key set
+    (`given`: dotted keys with their source) in a section that is switched off (`check_switched_section`)."""
     for name in sections():
         _check_tree(getattr(cfg, name), name)
+    for name in sections():
+        mine = [(k, src) for k, src in given or [] if k.split(".")[0] == name]
+        check_switched_section(getattr(cfg, name), name, mine)
 
 
 def _check_tree(obj: Any, path: str) -> None:
@@ -311,7 +314,7 @@ def _toml_table(obj: Any, path: str, lines: list[str]) -> None:
     lines.append(f"\n[{path}]")
     subs = []
     off = getattr(obj, "enabled", None) is False  # a section switched off: its other keys as comments (a key of
-    for f in dataclasses.fields(obj):  # it set while off is refused on loading, see check_switched_sections)
+    for f in dataclasses.fields(obj):  # it set while off is refused on loading, see check_switched_section)
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
             subs.append((f.name, value))
