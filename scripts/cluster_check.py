@@ -15,7 +15,7 @@ Parts (each well under 10 minutes on a 2-core machine once DIR/warmstart exists;
   crash       every process of node1 killed mid-run (torchrun); then the same job resubmitted: where it resumed
   link        node1's link down for 20 s mid-run (weights and rollouts in flight), then up
   link-long   node1's link down for 60 s with --world.timeout_s=30: the job ends by its deadline, named
-  vanish      node1's link down for good at step 40 (a node powered off): each side ends, naming the other
+  vanish      node1's link down for good at step 40 (a node powered off): how long each side lives on, what it says
   crash-node0 the same with node0 (the trainer, the job's store) killed: the engine's node is the survivor
   crash-slurm every process of node1 (its slurmd too) killed under SLURM: requeued, resumed once the node is back
   interface   GLOO_SOCKET_IFNAME naming no interface, and naming the loopback (both nodes)
