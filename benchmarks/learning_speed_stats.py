@@ -238,7 +238,9 @@ def speedups(results: dict[str, dict]) -> None:
     conv = {k: v for k, v in results.items() if k.startswith("conventional")}
     timed = {k: c["time_to_target_s"] for k, c in conv.items() if c["time_to_target_s"]}
     best_name = min(timed, key=timed.get, default=None)  # the fastest conventional G of those run
-    base = results.get("conventional_G1")
+    # conventional G=1: the run named so, else (runs named with their engine) the first G=1 run
+    g1 = [k for k in results if k == "conventional_G1" or k.startswith("conventional_G1@")]
+    base = results[g1[0]] if g1 else None
     coloc = results.get("colocated")
 
     def ratio(num: float | None, den: float | None) -> float | None:
