@@ -103,8 +103,8 @@ def decode_from_spec(
 
     base_s = weight bytes / (HBM bandwidth x hbm_efficiency) + step_overhead_s: every step reads every weight once;
       step_overhead_s is the scheduler's and the launches' per-step host time, which a roofline misses (Vidur's
-      blind spot). Default 1.5 ms: vLLM runs Llama-3.1-8B at ~6.5 ms a step on one H100 at 1-4 sequences against a
-      4.8 ms roofline.
+      blind spot). Default 1.5 ms, an assumption: a published 8B step at batch 1 (SGLang PR #1401, 7.06 ms with
+      CUDA graphs) sits ~2.3 ms above its ~4.8 ms roofline.
     per_seq_s = 2 x matmul params / (bf16 peak x flops_efficiency) + per_seq_overhead_s: a sequence's matrix
       products at decode (skinny GEMMs: half the peak by default; they only matter once the batch is past the
       ridge point, a few hundred sequences on an H100) and its host-side cost (sampling, log-probs, output).
