@@ -1,6 +1,7 @@
-"""A LoRA job's exports: every export a PEFT adapter folder with the trained factors (2 FSDP ranks), its merged HF
-folder equal to the base merged with them, and `peft` reading the adapters onto the base with the merged model's
-logits."""
+"""A LoRA job's exports: every export a PEFT adapter folder with the trained factors (2 FSDP ranks) and its merged
+HF folder, the one evaluation tools load. What those folders hold is checked where it is cheapest: the merged
+weights against `merge_adapters` and transformers' logits, gathered from 2 FSDP ranks, in
+tests/unit/training/test_export.py; `peft` and vLLM reading the adapter folder, in tests/unit/models/test_peft_io.py."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ pytestmark = pytest.mark.slow
 
 def test_a_lora_job_exports_adapters_and_their_merged_model(warm_folder, tmp_path):
     from pipelinerl_fsdp.checkpoint_layout import exported_policies
-    from pipelinerl_fsdp.models import load_hf_model
     from pipelinerl_fsdp.models.hf_io import read_state_dict
-    from pipelinerl_fsdp.models.peft_io import MERGED, loadable_policy, merge_into_base, read_adapter_folder
+    from pipelinerl_fsdp.models.peft_io import MERGED, loadable_policy, read_adapter_folder
 
     r = short_run(
         3,
@@ -39,16 +39,6 @@ def test_a_lora_job_exports_adapters_and_their_merged_model(warm_folder, tmp_pat
         assert (cfg.rank, cfg.alpha, base) == (4, 32.0, str(warm_folder))
         assert any(t.abs().max() > 0 for n, t in adapters.items() if ".lora_B." in n)  # trained off PEFT's B = 0
         factors.append(adapters)
-        merged = read_state_dict(folder / MERGED)
-        expect = merge_into_base(warm_folder, adapters, cfg)
-        assert set(merged) == set(expect) and all(torch.equal(merged[k], expect[k]) for k in merged)
+        assert set(read_state_dict(folder / MERGED)) == set(read_state_dict(warm_folder))  # the whole model
         assert loadable_policy(folder) == folder / MERGED and (folder / MERGED / "tokenizer.json").is_file()
     assert any(not torch.equal(factors[0][k], factors[1][k]) for k in factors[0])  # the second step moved them
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
-    final = exports[-1][1]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(warm_folder, dtype=torch.float32)
-    adapted = peft.PeftModel.from_pretrained(hf, str(final)).eval()
-    ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(adapted(ids).logits, load_hf_model(final / MERGED).eval()(ids), atol=2e-5, rtol=1e-5)
