@@ -144,11 +144,6 @@ def parse_args() -> argparse.Namespace:
         "with other jobs: they go between two seeds, never during a timed run)",
     )
     p.add_argument(
-        "--lock-first",
-        action="store_true",
-        help="take --lock before the other jobs waiting for it (a real-time wait; needs CAP_SYS_NICE, root here)",
-    )
-    p.add_argument(
         "--summary",
         type=Path,
         default=None,
@@ -277,29 +272,19 @@ def lag_table(results: dict[str, dict]) -> str:
 
 
 @contextlib.contextmanager
-def cpu_lock(path: Path | None, first: bool = False) -> Iterator[None]:
-    """An exclusive flock on `path` for the block (nothing without a path). `first`: wait for it as a real-time
-    thread (SCHED_FIFO, back to the normal policy once held, before anything runs), so that at each release this
-    process takes the lock before the other waiters (flock wakes them all and the first to run wins); after the
-    block it waits a few seconds, so one other waiter gets in between two of its blocks."""
+def cpu_lock(path: Path | None) -> Iterator[None]:
+    """An exclusive flock on `path` for the block (nothing without a path). Linux serves flock's waiters in arrival
+    order: a benchmark that must not wait behind other jobs between its seeds holds one lock around the whole command
+    instead (`flock FILE python -m benchmarks.learning_speed ...`)."""
     if path is None:
         yield
         return
     with open(path, "a") as f:
-        policy = os.sched_getscheduler(0), os.sched_getparam(0)
-        if first:
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        finally:
-            if first:
-                os.sched_setscheduler(0, policy[0], policy[1])
+        fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-            if first:
-                time.sleep(5)
 
 
 def relative_targets(start: float, fractions: list[float]) -> list[float]:
@@ -372,7 +357,7 @@ def main() -> None:
     ]
     # The warm start once, shared by every mode and seed (its folder is reused when it exists).
     t0 = time.time()
-    with cpu_lock(a.lock, a.lock_first):
+    with cpu_lock(a.lock):
         run_job(
             [
                 *common,
@@ -392,7 +377,7 @@ def main() -> None:
         job_cfg = load_config(common)
         # exports are evaluated one per core at a time; the warm start here, on every core
         evaluator = Evaluator(job_cfg, eval_size, workers=len(os.sched_getaffinity(0)))
-        with cpu_lock(a.lock, a.lock_first):
+        with cpu_lock(a.lock):
             start_accuracy = evaluator.accuracy(Path(job_cfg.warmstart.path))
         if relative:
             target, *more_targets = relative_targets(start_accuracy, [target, *more_targets])
@@ -418,7 +403,7 @@ def main() -> None:
     for seed in range(a.first_seed, a.first_seed + a.seeds):
         order = mode_order(specs, seed, a.order)
         orders[str(seed)] = [spec.name for spec in order]
-        with cpu_lock(a.lock, a.lock_first):  # a seed's runs side by side on a quiet machine
+        with cpu_lock(a.lock):  # a seed's runs side by side on a quiet machine
             for spec in order:
                 name = spec.name
                 out = a.out / "runs" / f"{name}_seed{seed}"
