@@ -20,7 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
-from pipelinerl_fsdp.tools.jail import UID_BASE
+from pipelinerl_fsdp.tools.leftovers import my_children, tool_pids
 from pipelinerl_fsdp.tools.sandbox import TOOL_OUTCOMES, ToolLimits, ToolMailbox, ToolRunner
 
 HOSTILE = {
@@ -41,29 +41,6 @@ HOSTILE = {
     "file_bomb": "i = 0\nwhile True:\n    open(f'f{i}', 'w').write('x' * 1000)\n    i += 1",
     "exit_weird": "import os\nos._exit(77)",
 }
-
-
-def tool_pids() -> set[int]:
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                uid = next(x for x in Path(f"/proc/{entry}/status").read_text().splitlines() if x[:4] == "Uid:")
-            except (OSError, StopIteration):
-                continue
-            if int(uid.split()[1]) >= UID_BASE:
-                pids.add(int(entry))
-    return pids
-
-
-def children() -> set[int]:
-    kids: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            kids |= {int(p) for p in Path(f"/proc/self/task/{tid}/children").read_text().split()}
-        except OSError:
-            pass
-    return kids
 
 
 def memory() -> dict[str, float]:
@@ -136,9 +113,9 @@ def soak(calls: int, hostile: float, workers: int, seed: int) -> dict:
     runner.close()
     wall = time.monotonic() - t0
     deadline = time.monotonic() + 5
-    while (tool_pids() - before or children()) and time.monotonic() < deadline:
+    while (tool_pids() - before or my_children()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = {"tool_processes": len(tool_pids() - before), "children_incl_zombies": len(children())}
+    left = {"tool_processes": len(tool_pids() - before), "children_incl_zombies": len(my_children())}
     left["ipc_objects_changed"] = ipc != [Path(f"/proc/sysvipc/{k}").read_text() for k in ("shm", "msg", "sem")]
     left["mounts_changed"] = mounts != Path("/proc/self/mountinfo").read_text()
     rss = [s["rank_rss_mib"] for s in samples]

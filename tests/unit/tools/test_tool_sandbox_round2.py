@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from pipelinerl_fsdp.tools.jail import RLIMIT_NUMBERS, UID_BASE, UID_SPAN
+from pipelinerl_fsdp.tools.leftovers import my_children, tool_pids
 from pipelinerl_fsdp.tools.sandbox import TOOL_OUTCOMES, ToolLimits, ToolMailbox, ToolResult, ToolRunner
 
 LIMITS = ToolLimits(timeout_s=2.0, memory_mb=256, max_output_bytes=4096, ipc_kb=256)
@@ -77,31 +78,6 @@ def check(results: dict[str, ToolResult], want: dict[str, tuple[str, str]]) -> N
         if results[k].outcome != outcome or text not in results[k].output
     }
     assert not bad, bad
-
-
-def tool_pids() -> set[int]:
-    """Processes on this machine that run as some call's uid."""
-    pids = set()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                uid_line = next(x for x in Path(f"/proc/{entry}/status").read_text().splitlines() if x[:4] == "Uid:")
-            except (OSError, StopIteration):
-                continue
-            if int(uid_line.split()[1]) >= UID_BASE:
-                pids.add(int(entry))
-    return pids
-
-
-def my_children() -> set[int]:
-    """This process's children, zombies included (every thread's list)."""
-    kids: set[int] = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            kids |= {int(p) for p in Path(f"/proc/self/task/{tid}/children").read_text().split()}
-        except OSError:
-            pass
-    return kids
 
 
 def host_ipc() -> tuple[str, str, str]:
